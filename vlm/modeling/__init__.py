@@ -1,0 +1,1 @@
+"""The model alone: no ranks, no files, no logging."""

@@ -1,0 +1,172 @@
+"""Attention: RoPE, grouped-query attention on SDPA, masks, and the KV cache it reads and writes.
+
+One `Attention` class serves every stack. Token layers and concept layers differ only in what
+positions they are given (token positions vs concept indices) and in how their cache advances:
+token caches advance every step for every row; concept caches advance per row, only when that row
+starts a new concept (`KVCache.step(..., commit_B)`), so they hold one entry per concept.
+
+Joint decoding (paper section 6) is the optional ``concept_BTD`` input: when the layer was built
+with ``joint=True``, Q/K/V each get an extra zero-initialisable projection of the concept signal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vlm.config import AttentionConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [B, T, head_dim] for integer positions (any per-row layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids_BT.device,
+                                             dtype=torch.float32) / head_dim))
+    ang_BTH = position_ids_BT.float()[..., None] * inv_freq
+    emb = torch.cat([ang_BTH, ang_BTH], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
+                device: torch.device) -> torch.Tensor | None:
+    """Boolean SDPA mask [B, 1, T, T] (True = may attend), or None for the plain causal case.
+
+    Keys must be valid (not padding) and in the same packed segment. Every query may always see
+    itself, so fully padded rows stay finite instead of producing NaN.
+    """
+    if valid_BT is None and segment_BT is None:
+        return None
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = causal_TT[None]
+    if valid_BT is not None:
+        mask = mask & valid_BT[:, None, :].bool()
+    if segment_BT is not None:
+        mask = mask & (segment_BT[:, :, None] == segment_BT[:, None, :])
+    mask = mask | torch.eye(T, dtype=torch.bool, device=device)[None]
+    return mask[:, None]
+
+
+class KVCache:
+    """Preallocated cache of one attention layer: k/v [B, H_kv, capacity, D], per-row lengths.
+
+    ``valid_BC`` marks which slots hold real keys (left padding in token layers stays False).
+    """
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.k = torch.zeros(batch, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.valid_BC = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.len_B = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def fill(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, valid_BT: torch.Tensor,
+             len_B: torch.Tensor) -> None:
+        """Prefill: slots [0, T) take the given keys; ``len_B`` is the next write slot per row."""
+        T = k_BHTD.shape[2]
+        if T > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} < prefill length {T}")
+        self.k[:, :, :T] = k_BHTD
+        self.v[:, :, :T] = v_BHTD
+        self.valid_BC[:, :T] = valid_BT.bool()
+        self.len_B = len_B.clone()
+
+    def step(self, k_BH1D: torch.Tensor, v_BH1D: torch.Tensor):
+        """Write one new entry per row at ``len_B``; returns keys, values, key mask up to the max."""
+        if int(self.len_B.max()) >= self.capacity:
+            raise ValueError(f"KV cache full (capacity {self.capacity})")
+        rows = torch.arange(self.k.shape[0], device=self.k.device)
+        self.k[rows, :, self.len_B] = k_BH1D[:, :, 0]
+        self.v[rows, :, self.len_B] = v_BH1D[:, :, 0]
+        self.valid_BC[rows, self.len_B] = True
+        end = int(self.len_B.max()) + 1
+        return self.k[:, :, :end], self.v[:, :, :end], self.valid_BC[:, :end]
+
+    def advance(self, commit_B: torch.Tensor | None = None) -> None:
+        """Keep the entry written by the last ``step`` for rows in ``commit_B`` (all rows if None)."""
+        if commit_B is None:
+            self.len_B += 1
+            return
+        rows = torch.arange(self.k.shape[0], device=self.k.device)
+        self.valid_BC[rows, self.len_B] = commit_B.bool()
+        self.len_B += commit_B.long()
+
+    def num_entries(self) -> torch.Tensor:
+        """Real (valid) entries per row."""
+        return self.valid_BC.sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes of the keys and values actually held (valid entries of every row)."""
+        per_entry = self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
+        return int(self.num_entries().sum()) * per_entry
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: AttentionConfig, hidden_size: int, joint: bool = False):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim or hidden_size // cfg.num_attention_heads
+        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=False)
+        self.joint = joint
+        if joint:  # joint decoding: Q = zWq + cWq^c, K = zWk + cWk^c, V = zWv + cWv^c
+            self.q_c_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False)
+            self.k_c_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
+            self.v_c_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x_BTD: torch.Tensor, cos_sin, mask=None, cache: KVCache | None = None,
+                concept_BTD: torch.Tensor | None = None, fill=None) -> torch.Tensor:
+        """No cache: full causal attention. ``cache`` + ``fill=(valid_BT, len_B)``: full attention
+        over the prompt, then the cache is filled. ``cache`` alone: one decoding step (T = 1)."""
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.joint and concept_BTD is not None:
+            q = q + self.q_c_proj(concept_BTD)
+            k = k + self.k_c_proj(concept_BTD)
+            v = v + self.v_c_proj(concept_BTD)
+        q, k, v = self._split(q, self.n_heads), self._split(k, self.n_kv), self._split(v, self.n_kv)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and fill is None:
+            k_all, v_all, valid_BS = cache.step(k, v)
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=valid_BS[:, None, None, :],
+                                                 enable_gqa=True)
+        else:
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            if cache is not None:
+                cache.fill(k, v, *fill)
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -1,0 +1,180 @@
+"""The ConceptMoE language backbone: encoder -> chunk -> concept model -> dechunk -> decoder.
+
+With ``chunking=False`` this is the plain MoE baseline: the same ``layers`` run in sequence. With
+chunking on, ``layers`` is split into L_E encoder layers (tokens), L_C concept layers (concepts,
+width d_c, top-k ``concept_top_k``, optionally looped) and L_D decoder layers (tokens; the last K
+use joint decoding). Parameter names are identical in both modes, so a trained baseline converts
+to a ConceptMoE by copying its weights (see ``vlm/convert.py``).
+
+The model holds no training, distributed or file code. ``forward`` also fills a
+``DecodeState`` (``vlm/modeling/generation.py``) when one is given: that is the prefill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from vlm.config import ConceptMoEConfig
+from vlm.modeling.attention import RMSNorm, causal_mask, rope_cos_sin
+from vlm.modeling.blocks import TransformerBlock
+from vlm.modeling.chunking import IMAGE, TEXT, ChunkModule, forced_boundaries
+from vlm.modeling.dechunk import dechunk
+
+
+@dataclass
+class BackboneOutput:
+    hidden_BTD: torch.Tensor
+    lb_loss: torch.Tensor
+    z_loss: torch.Tensor
+    ratio_loss: torch.Tensor
+    boundary_BT: torch.Tensor | None = None
+    prob_BT: torch.Tensor | None = None
+    num_concepts_B: torch.Tensor | None = None
+    tokens_per_expert: list = field(default_factory=list)
+
+
+def concept_schedule(cfg: ConceptMoEConfig) -> list[int]:
+    """Order in which concept layers run; looped layers repeat with their own weights."""
+    loops = set(cfg.concept_loop_layers)
+    return [i for i in range(cfg.concept_layers) for _ in range(cfg.concept_loop_times if i in loops else 1)]
+
+
+class ConceptMoEModel(nn.Module):
+    def __init__(self, cfg: ConceptMoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        L, attn, moe = cfg.num_hidden_layers, cfg.attention, cfg.moe
+        n_enc = cfg.encoder_layers if cfg.chunking else L
+        n_dec = cfg.decoder_layers if cfg.chunking else 0
+        n_con = L - n_enc - n_dec
+        d_c = cfg.concept_hidden_size or d
+        joint_from = L - min(cfg.joint_decoding_layers, n_dec) if cfg.chunking else L
+        layers = []
+        for i in range(L):
+            in_concept = n_enc <= i < n_enc + n_con
+            layers.append(TransformerBlock(
+                attn, moe, d_c if in_concept else d, dense=i < cfg.first_k_dense,
+                top_k=(cfg.concept_top_k if in_concept else None), joint=i >= joint_from))
+        self.layers = nn.ModuleList(layers)
+        self.n_enc, self.n_con = n_enc, n_con
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.chunking:
+            self.chunker = ChunkModule(d, cfg.chunk)
+            if d_c != d:
+                self.concept_in = nn.Linear(d, d_c, bias=False)
+                self.concept_out = nn.Linear(d_c, d, bias=False)
+        self.schedule = concept_schedule(cfg) if cfg.chunking else []
+
+    # pieces ------------------------------------------------------------------------------------
+    @property
+    def encoder(self):
+        return self.layers[: self.n_enc]
+
+    @property
+    def concept_model(self):
+        return self.layers[self.n_enc: self.n_enc + self.n_con]
+
+    @property
+    def decoder(self):
+        return self.layers[self.n_enc + self.n_con:]
+
+    def to_concept(self, x):
+        return self.concept_in(x) if hasattr(self, "concept_in") else x
+
+    def from_concept(self, x):
+        return self.concept_out(x) if hasattr(self, "concept_out") else x
+
+    def rope(self, position_BT, hidden: int, dtype):
+        head_dim = self.cfg.head_dim or hidden // self.cfg.num_attention_heads
+        return rope_cos_sin(position_BT, head_dim, self.cfg.rope_theta, dtype)
+
+    def _run(self, layers, x, cos_sin, mask, valid, acc, caches=None, fill=None, concept=None):
+        for i, layer in enumerate(layers):
+            cache = caches[i] if caches is not None else None
+            x, stats = layer(x, cos_sin, mask=mask, valid_BT=valid, cache=cache, fill=fill,
+                             concept_BTD=concept if layer.attn.joint else None)
+            if stats is not None:
+                acc.append(stats)
+        return x
+
+    # forward -----------------------------------------------------------------------------------
+    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+                segment_ids=None, modality_ids=None, state=None) -> BackboneOutput:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        has_pad = attention_mask is not None and not bool(attention_mask.all())
+        valid_BT = attention_mask.bool() if attention_mask is not None else \
+            torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if position_ids is None:
+            position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
+        mask = causal_mask(valid_BT if has_pad else None, segment_ids, T, x.device)
+        mvalid = valid_BT if has_pad else None
+        cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
+        tok_fill = (valid_BT, torch.full((B,), T, dtype=torch.long, device=x.device))
+        stats: list = []
+        caches = state.token_caches if state is not None else None
+        if state is not None:
+            state.next_pos_B = position_ids[:, -1] + 1
+        h = self._run(self.encoder, x, cos_sin, mask, mvalid, stats, caches, tok_fill)
+        zero = x.new_zeros((), dtype=torch.float32)
+        out = BackboneOutput(h, zero, zero, zero)
+        if self.cfg.chunking:
+            h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
+                              mask, stats, out, state, tok_fill)
+        out.hidden_BTD = self.norm(h)
+        if stats:
+            out.lb_loss = torch.stack([s.lb_loss for s in stats]).mean()
+            out.z_loss = torch.stack([s.z_loss for s in stats]).mean()
+            out.tokens_per_expert = [s.tokens_per_expert for s in stats]
+        return out
+
+    def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
+                 stats, out, state, tok_fill):
+        cfg, ch = self.cfg, self.chunker
+        forced = forced_boundaries(valid_BT, segment_ids, modality_ids, cfg.modality_policy == "split_at_switch")
+        p_raw = ch.probs(h)
+        b_BT, p_BT = ch.decide(p_raw, forced, valid_BT, position_ids)
+        out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
+        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
+        c_in = self.to_concept(con.x_BMD)
+        has_cpad = not bool(con.valid_BM.all())
+        cmask = causal_mask(con.valid_BM if has_cpad else None, con.segment_BM, c_in.shape[1], h.device)
+        ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
+        c = c_in
+        cfill = None
+        if state is not None:
+            cfill = state.concept_fill(con, cfg.concept_merge)
+        cval = con.valid_BM if has_cpad else None
+        for slot, li in enumerate(self.schedule):
+            cache = state.concept_caches[slot] if state is not None else None
+            c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval, cache=cache, fill=cfill)
+            if st is not None:
+                stats.append(st)
+        c_hat = self.from_concept(c - c_in)  # the concept model's update (see dechunk.py)
+        z, read_BTD = dechunk(h, c_hat, con.prob_BM, p_BT, b_BT, con.index_BT, cfg.concept_merge,
+                              con.segment_BM, segment_ids)
+        if state is not None:
+            state.after_prefill(self, h, con, c_hat, position_ids, modality_ids)
+        caches = state.token_caches[self.n_enc:] if state is not None else None
+        z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
+        out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
+        return z
+
+
+def compression_stats(boundary_BT, valid_BT, modality_BT=None) -> dict:
+    """Achieved ratio R = tokens / concepts: per sample, pooled, and per modality."""
+    tokens_B = valid_BT.sum(1).float()
+    concepts_B = (boundary_BT & valid_BT).sum(1).float()
+    stats = {"ratio_per_sample": tokens_B / concepts_B.clamp(min=1),
+             "ratio": float(tokens_B.sum() / concepts_B.sum().clamp(min=1))}
+    if modality_BT is not None:
+        for name, mod in (("image", IMAGE), ("text", TEXT)):
+            sel = valid_BT & (modality_BT == mod)
+            n = int(sel.sum())
+            if n:
+                stats[f"ratio_{name}"] = n / max(int((boundary_BT & sel).sum()), 1)
+    return stats
