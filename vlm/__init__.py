@@ -4,5 +4,16 @@
 """
 from vlm.config import ConceptMoEConfig, ConfigError
 from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput
+from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
+from vlm.vlm_config import ConceptMoEVLMConfig
 
-__all__ = ["ConceptMoEConfig", "ConfigError", "ConceptMoEForCausalLM", "ConceptMoEOutput"]
+__all__ = ["ConceptMoEConfig", "ConfigError", "ConceptMoEForCausalLM", "ConceptMoEOutput",
+           "ConceptMoEVLMConfig", "ConceptMoEVLMForConditionalGeneration", "ImageTokenMismatch",
+           "ConceptMoEVLMProcessor"]
+
+
+def __getattr__(name):  # the processor pulls in the tokenizer stack; load it on first use
+    if name == "ConceptMoEVLMProcessor":
+        from vlm.processing import ConceptMoEVLMProcessor
+        return ConceptMoEVLMProcessor
+    raise AttributeError(name)

@@ -64,17 +64,12 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         PreTrainedModel._init_weights(self, module)
-        std = self.config.initializer_range
+        std = self.config.get_text_config().initializer_range
         if isinstance(module, MoEFeedForward):
             for w in (module.w_gate, module.w_up, module.w_down):
                 init.normal_(w, mean=0.0, std=std)
         elif isinstance(module, ChunkModule):
-            if module.cfg.router_init == "identity":
-                init.eye_(module.q_proj.weight) if hasattr(init, "eye_") else module.reset_router()
-                init.eye_(module.k_proj.weight) if hasattr(init, "eye_") else None
-            else:
-                for lin in (module.q_proj, module.k_proj):
-                    init.normal_(lin.weight, mean=0.0, std=lin.in_features ** -0.5)
+            module.reset_router()
         elif isinstance(module, Attention) and module.joint:
             for lin in (module.q_c_proj, module.k_c_proj, module.v_c_proj):
                 init.zeros_(lin.weight)  # joint decoding starts neutral
