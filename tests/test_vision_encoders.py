@@ -1,0 +1,229 @@
+"""Vision encoders: shapes, preprocessing, and feature equality with timm / open_clip themselves.
+
+Every weight file is written by the test into tmp_path; nothing is downloaded.
+"""
+
+import json
+
+import numpy as np
+import open_clip
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from sklearn.datasets import load_digits
+
+from vision_encoders import VISION_BACKBONES, VisionEncoderConfig, build_vision_encoder, register_vision_backbone
+from vision_encoders.open_clip_vit import OpenClipViTEncoder
+from vision_encoders.timm_vit import TimmViTEncoder
+
+TINY_TIMM_NAME = "vit_tiny_patch16_224"
+TINY_TIMM_KWARGS = {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
+TINY_CLIP_NAME = "cmoe-test-tiny-clip"
+TINY_CLIP_CONFIG = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 16, "layers": 3, "width": 32, "head_width": 16, "patch_size": 4},
+    "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def digit_images():
+    digits = load_digits()
+    pixels_N88 = (digits.images[:3] * (255 / 16)).astype(np.uint8)
+    return [Image.fromarray(p) for p in pixels_N88]
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_name(tmp_path_factory):
+    config_path = tmp_path_factory.mktemp("open_clip_cfg") / f"{TINY_CLIP_NAME}.json"
+    config_path.write_text(json.dumps(TINY_CLIP_CONFIG))
+    open_clip.add_model_config(config_path)
+    return TINY_CLIP_NAME
+
+
+def _tiny_timm_reference(**overrides):
+    torch.manual_seed(0)
+    return timm.create_model(TINY_TIMM_NAME, num_classes=0, **{**TINY_TIMM_KWARGS, **overrides}).eval()
+
+
+def _block_output(model, block, pixel_values_BCHW):
+    """Output of ``block`` (a submodule of ``model``) during ``model(pixel_values_BCHW)``."""
+    captured = []
+    handle = block.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    with torch.no_grad():
+        model(pixel_values_BCHW)
+    handle.remove()
+    return captured[0]
+
+
+def _features(encoder, pixel_values_BCHW):
+    with torch.no_grad():
+        return encoder.eval()(pixel_values_BCHW)
+
+
+def test_tiny_vit_shapes_and_transform(digit_images):
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
+    assert (encoder.image_size, encoder.patch_grid, encoder.num_patches, encoder.embed_dim) == (16, (4, 4), 16, 64)
+
+    image_CHW = encoder.transform(digit_images[0])
+    assert digit_images[0].size == (8, 8) and digit_images[0].mode == "L"
+    assert image_CHW.shape == (3, 16, 16) and image_CHW.dtype == torch.float32
+    assert torch.equal(image_CHW[0], image_CHW[1])  # grayscale replicated to RGB
+
+    pixel_values_BCHW = encoder.preprocess(digit_images)
+    assert pixel_values_BCHW.shape == (3, 3, 16, 16)
+    features_BPD = _features(encoder, pixel_values_BCHW)
+    assert features_BPD.shape == (3, 16, 64) and features_BPD.dtype == torch.float32
+
+
+def test_transform_normalizes_with_backbone_stats():
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))  # timm mean = std = 0.5
+    white_CHW = encoder.transform(Image.new("L", (8, 8), 255))
+    assert torch.allclose(white_CHW, torch.ones(3, 16, 16))
+
+
+def test_keep_cls_and_image_size_override():
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", keep_cls=True, image_size=32))
+    assert (encoder.image_size, encoder.patch_grid, encoder.num_patches) == (32, (8, 8), 65)
+    assert _features(encoder, torch.randn(2, 3, 32, 32)).shape == (2, 65, 64)
+    small = build_vision_encoder(VisionEncoderConfig(backbone="small-vit"))
+    assert (small.image_size, small.num_patches, small.embed_dim) == (32, 64, 128)
+
+
+@pytest.mark.parametrize("feature_layer", ["last", "penultimate"])
+def test_timm_features_match_library(tmp_path, feature_layer):
+    reference = _tiny_timm_reference()
+    weights = tmp_path / "tiny_vit.safetensors"
+    save_file(reference.state_dict(), weights)
+    encoder = build_vision_encoder(
+        VisionEncoderConfig(backbone="tiny-vit", pretrained=str(weights), feature_layer=feature_layer)
+    )
+    pixel_values_BCHW = torch.randn(2, 3, 16, 16)
+    if feature_layer == "last":
+        with torch.no_grad():
+            expected_BTD = reference.forward_features(pixel_values_BCHW)
+    else:
+        expected_BTD = _block_output(reference, reference.blocks[-2], pixel_values_BCHW)
+    torch.testing.assert_close(_features(encoder, pixel_values_BCHW), expected_BTD[:, 1:], rtol=0, atol=1e-6)
+
+
+def test_timm_keep_cls_drops_register_tokens(tmp_path):
+    reference = _tiny_timm_reference(reg_tokens=2)
+    weights = tmp_path / "tiny_vit_reg.safetensors"
+    save_file(reference.state_dict(), weights)
+    cfg = VisionEncoderConfig(
+        backbone="timm", model_name=TINY_TIMM_NAME, pretrained=str(weights), keep_cls=True,
+        model_kwargs={**TINY_TIMM_KWARGS, "reg_tokens": 2},
+    )
+    encoder = build_vision_encoder(cfg)
+    pixel_values_BCHW = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected_BTD = reference.forward_features(pixel_values_BCHW)  # [CLS, reg, reg, 16 patches]
+    assert encoder.num_patches == 17
+    expected_BPD = torch.cat([expected_BTD[:, :1], expected_BTD[:, 3:]], dim=1)
+    torch.testing.assert_close(_features(encoder, pixel_values_BCHW), expected_BPD, rtol=0, atol=1e-6)
+
+
+def test_pickle_weights_need_trust_pickle(tmp_path):
+    reference = _tiny_timm_reference()
+    weights = tmp_path / "tiny_vit.pth"
+    torch.save(reference.state_dict(), weights)
+    with pytest.raises(ValueError, match="trust_pickle"):
+        build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", pretrained=str(weights)))
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", pretrained=str(weights), trust_pickle=True))
+    pixel_values_BCHW = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        expected_BPD = reference.forward_features(pixel_values_BCHW)[:, 1:]
+    torch.testing.assert_close(_features(encoder, pixel_values_BCHW), expected_BPD, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("feature_layer", ["last", "penultimate"])
+def test_open_clip_features_match_library(tmp_path, tiny_clip_name, feature_layer):
+    torch.manual_seed(0)
+    reference = open_clip.create_model(tiny_clip_name).eval()
+    weights = tmp_path / "tiny_clip.safetensors"
+    save_file(reference.state_dict(), weights)
+    encoder = build_vision_encoder(VisionEncoderConfig(
+        backbone="open_clip", model_name=tiny_clip_name, pretrained=str(weights),
+        feature_layer=feature_layer, keep_cls=True,
+    ))
+    assert (encoder.image_size, encoder.patch_grid, encoder.num_patches, encoder.embed_dim) == (16, (4, 4), 17, 32)
+    visual = reference.visual
+    pixel_values_BCHW = torch.randn(2, 3, 16, 16)
+    features_BPD = _features(encoder, pixel_values_BCHW)
+    if feature_layer == "last":
+        visual.output_tokens = True
+        with torch.no_grad():
+            _, patches_BND = visual(pixel_values_BCHW)
+        torch.testing.assert_close(features_BPD[:, 1:], patches_BND, rtol=0, atol=1e-6)
+        expected_BPD = _block_output(visual, visual.ln_post, pixel_values_BCHW)  # [CLS, patches] after ln_post
+    else:
+        expected_BPD = _block_output(visual, visual.transformer.resblocks[-2], pixel_values_BCHW)
+    torch.testing.assert_close(features_BPD, expected_BPD, rtol=0, atol=1e-6)
+
+
+def test_missing_weights_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope" / "weights.safetensors"
+    with pytest.raises(FileNotFoundError, match="weights.safetensors") as info:
+        build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", pretrained=str(missing)))
+    assert str(missing) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"feature_layer": "middle"}, "vision.feature_layer"),
+        ({"image_size": 0}, "vision.image_size"),
+        ({"keep_cls": "yes"}, "vision.keep_cls"),
+        ({"trust_pickle": 1}, "vision.trust_pickle"),
+        ({"model_kwargs": ["depth", 2]}, "vision.model_kwargs"),
+        ({"pretrained": ""}, "vision.pretrained"),
+        ({"backbone": ""}, "vision.backbone"),
+    ],
+)
+def test_bad_config_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        VisionEncoderConfig(**{"backbone": "tiny-vit", **kwargs})
+
+
+def test_build_errors():
+    with pytest.raises(ValueError, match="known ids: .*tiny-vit"):
+        build_vision_encoder(VisionEncoderConfig(backbone="huge-vit"))
+    with pytest.raises(ValueError, match="vision.model_name is required"):
+        build_vision_encoder(VisionEncoderConfig(backbone="timm"))
+    with pytest.raises(ValueError, match="hub reference"):
+        build_vision_encoder(VisionEncoderConfig(backbone="timm", model_name="hf-hub:timm/vit_tiny_patch16_224"))
+    with pytest.raises(ValueError, match="vision.pretrained .*required"):
+        build_vision_encoder(VisionEncoderConfig(backbone="siglip-so400m"))
+    with pytest.raises(ValueError, match="vision.keep_cls"):
+        build_vision_encoder(VisionEncoderConfig(
+            backbone="timm", model_name=TINY_TIMM_NAME, keep_cls=True,
+            model_kwargs={**TINY_TIMM_KWARGS, "class_token": False, "global_pool": "avg"},
+        ))
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
+    with pytest.raises(ValueError, match=r"\[B, 3, 16, 16\]"):
+        encoder(torch.randn(1, 3, 32, 32))
+
+
+def test_pretrained_presets_name_real_library_models():
+    for backbone_id in ("siglip-so400m", "clip-vit-l-336"):
+        cls, kwargs = VISION_BACKBONES[backbone_id]
+        assert kwargs["requires_weights"]
+        if cls is TimmViTEncoder:
+            assert timm.is_model(kwargs["model_name"])
+        else:
+            assert cls is OpenClipViTEncoder and kwargs["model_name"] in open_clip.list_models()
+
+
+def test_register_vision_backbone():
+    register_vision_backbone("test-wide-vit", TimmViTEncoder, model_name=TINY_TIMM_NAME,
+                             model_kwargs={**TINY_TIMM_KWARGS, "embed_dim": 96})
+    try:
+        encoder = build_vision_encoder(VisionEncoderConfig(backbone="test-wide-vit", model_kwargs={"depth": 1}))
+        assert encoder.embed_dim == 96 and len(encoder.model.blocks) == 1
+        with pytest.raises(ValueError, match="already registered"):
+            register_vision_backbone("test-wide-vit", TimmViTEncoder)
+    finally:
+        VISION_BACKBONES.pop("test-wide-vit")
