@@ -1,0 +1,159 @@
+"""The VLM: placeholder expansion, cross-modal chunking policies, causality, save/load, generation."""
+import pytest
+import torch
+
+from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
+
+IMG, START, END = 5, 6, 7
+VOCAB = 64
+
+
+def build(seed=0, **overrides) -> ConceptMoEVLMForConditionalGeneration:
+    cfg = ConceptMoEVLMConfig.from_yaml("configs/model/vlm_tiny.yaml", image_token_id=IMG, im_start_token_id=START,
+                                        im_end_token_id=END, vocab_size=VOCAB, **overrides)
+    torch.manual_seed(seed)
+    return ConceptMoEVLMForConditionalGeneration(cfg).eval()
+
+
+def decisive(model, seed=0):
+    """W_q = W_k = u u^T: cos(q_n, k_{n-1}) = +-1, so p is 0 or 1 and hard boundaries are stable."""
+    g = torch.Generator().manual_seed(seed)
+    ch = model.language_model.model.chunker
+    u = torch.randn(ch.q_proj.weight.shape[0], generator=g)
+    u = u / u.norm()
+    with torch.no_grad():
+        ch.q_proj.weight.copy_(torch.outer(u, u))
+        ch.k_proj.weight.copy_(torch.outer(u, u))
+    return model
+
+
+def sample_batch(P, seed=0):
+    """Row 0: text, image, text, image, text. Row 1: left padding, text only."""
+    g = torch.Generator().manual_seed(seed)
+    txt = lambda n: torch.randint(8, VOCAB, (n,), generator=g).tolist()
+    image = [START] + [IMG] * P + [END]
+    row0 = txt(3) + image + txt(4) + image + txt(3)
+    row1 = txt(len(row0) - 4)
+    ids = torch.tensor([row0, [0] * 4 + row1])
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pixels = torch.randn(2, 3, 16, 16, generator=g)
+    return ids, mask, pixels
+
+
+def test_placeholder_count_mismatch_is_a_clear_error():
+    model = build()
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    with pytest.raises(ImageTokenMismatch, match="2 image"):
+        model(ids[:, :10], pixels, mask[:, :10])  # cuts through the first image's tokens
+    with pytest.raises(ImageTokenMismatch):
+        model(ids, pixels[:1], mask)
+
+
+def test_image_features_land_at_placeholders_in_order():
+    model = build()
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    embeds, modality = model.embed(ids, pixels)
+    feats = model.projector(model.vision(pixels))
+    pos = (ids[0] == IMG).nonzero()[:, 0]
+    P = model.num_image_tokens
+    assert torch.equal(embeds[0, pos[:P]], feats[0]) and torch.equal(embeds[0, pos[P:]], feats[1])
+    assert modality.sum() == 2 * P and modality[1].sum() == 0
+
+
+@pytest.mark.parametrize("policy", ["joint", "split_at_switch", "per_modality"])
+def test_causality_across_modalities(policy):
+    over = {"chunking.modality_policy": "joint" if policy == "per_modality" else policy}
+    if policy == "per_modality":
+        over.update({"image_target_ratio": 3.0, "text_target_ratio": 1.5})
+    model = decisive(build(**over))
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    base = model(ids, pixels, mask)
+    P = model.num_image_tokens
+    second_img_start = int((ids[0] == START).nonzero()[1, 0])
+    # a later text token changes nothing before it
+    for t in (4, second_img_start - 1, ids.shape[1] - 2):
+        ids2 = ids.clone()
+        ids2[:, t + 1] = (ids2[:, t + 1] + 11) % (VOCAB - 8) + 8 if ids[0, t + 1] >= 8 else ids2[:, t + 1]
+        ids2[1, t + 1] = (ids[1, t + 1] + 11) % (VOCAB - 8) + 8
+        out = model(ids2, pixels, mask)
+        assert torch.allclose(out.logits[:, : t + 1], base.logits[:, : t + 1], atol=1e-5)
+        assert torch.equal(out.boundary_mask[:, : t + 1], base.boundary_mask[:, : t + 1])
+    # the second image's pixels change nothing before that image
+    pixels2 = pixels.clone()
+    pixels2[1] = torch.randn_like(pixels2[1])
+    out = model(ids, pixels2, mask)
+    first_patch = second_img_start + 1
+    assert torch.allclose(out.logits[0, :first_patch], base.logits[0, :first_patch], atol=1e-5)
+    assert not torch.allclose(out.logits[0, first_patch:first_patch + P], base.logits[0, first_patch:first_patch + P])
+
+
+def test_split_at_switch_has_a_boundary_at_every_switch():
+    model = build(**{"chunking.modality_policy": "split_at_switch"})
+    model.train()  # boundary noise on: forced boundaries must hold regardless
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        out = model(ids, pixels, mask)
+        is_img = ids[0] == IMG
+        switch = is_img[1:] != is_img[:-1]
+        assert switch.sum() == 4
+        assert out.boundary_mask[0, 1:][switch].all()
+
+
+def test_per_modality_targets_pull_the_ratios_apart():
+    """Only the router learns, from the ratio loss alone, on fresh batches; ratios measured in eval."""
+    model = build(seed=1, image_target_ratio=3.0, text_target_ratio=1.5, router_init="random",
+                  boundary_noise_tau=None)
+    model.train()
+    router = model.language_model.model.chunker
+    opt = torch.optim.Adam(router.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.98)
+    for step in range(100):
+        ids, mask, pixels = sample_batch(model.num_image_tokens, seed=1000 + step)
+        out = model(ids, pixels, mask)
+        opt.zero_grad()
+        out.ratio_loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    img, txt = [], []
+    for seed in range(100, 108):
+        ids, mask, pixels = sample_batch(model.num_image_tokens, seed=seed)
+        comp = model(ids, pixels, mask).compression
+        img.append(comp["ratio_image"]), txt.append(comp["ratio_text"])
+    r_img, r_txt = sum(img) / len(img), sum(txt) / len(txt)
+    print(f"per-modality eval ratios after training: image {r_img:.2f} (target 3.0), text {r_txt:.2f} (target 1.5)")
+    assert abs(r_img - 3.0) / 3.0 < 0.2 and abs(r_txt - 1.5) / 1.5 < 0.2
+
+
+def test_generation_with_image_equals_repeated_full_forwards():
+    model = decisive(build())
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    out = model.generate(ids, pixels, mask, max_new_tokens=12, do_sample=False)
+    cur, cur_mask = ids, mask
+    for _ in range(12):
+        nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
+        cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
+    assert torch.equal(out, cur)
+
+
+def test_save_and_load_gives_identical_logits(tmp_path):
+    model = build()
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    loaded = ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(ids, pixels, mask).logits, model(ids, pixels, mask).logits)
+
+
+def test_vlm_config_overrides_and_errors():
+    from vlm import ConfigError
+    cfg = ConceptMoEVLMConfig.from_yaml("configs/model/vlm_tiny.yaml", **{"vision.feature_layer": "penultimate",
+                                                                           "moe.num_experts": 4})
+    assert cfg.vision_config.feature_layer == "penultimate" and cfg.text_config.num_experts == 4
+    assert cfg.text_config.chunking and cfg.text_config.target_ratio == 2.0
+    with pytest.raises(ConfigError, match="vision.feature_layer"):
+        ConceptMoEVLMConfig.from_yaml("configs/model/vlm_tiny.yaml", **{"vision.feature_layer": "middle"})
+    with pytest.raises(ConfigError, match="modality_policy"):
+        ConceptMoEVLMConfig.from_yaml("configs/model/vlm_tiny.yaml", **{"chunking.modality_policy": "nope"})
