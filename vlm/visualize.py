@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-PALETTE = plt.get_cmap("tab20").colors
+PALETTE = plt.get_cmap("tab10").colors
 
 
 def concept_ids(boundary_T) -> list[int]:
