@@ -22,6 +22,7 @@ from vlm.modeling.chunking import ChunkModule
 from vlm.modeling.conceptmoe import ConceptMoEModel, compression_stats
 from vlm.modeling.generation import DecodeState, decode_loop, decode_step
 from vlm.modeling.moe import MoEFeedForward
+from vlm.safe_loading import require_safetensors
 
 
 @dataclass
@@ -62,6 +63,13 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TransformerBlock"]
     _supports_sdpa = True
 
+    def _initialize_weights(self, module, is_custom_code: bool = False):
+        # transformers treats any model outside its package as "custom code" and then skips every
+        # module without direct parameters (Attention, ChunkModule), so the zero-init of the joint
+        # projections and the identity router init below never ran. Our ``_init_weights`` only uses
+        # the guarded ``transformers.initialization`` functions (loaded weights are never touched).
+        super()._initialize_weights(module, is_custom_code=False)
+
     def _init_weights(self, module):
         PreTrainedModel._init_weights(self, module)
         std = self.config.get_text_config().initializer_range
@@ -83,6 +91,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         self.model = ConceptMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        if getattr(self, "generation_config", None) is not None:
+            self.generation_config.top_k = None  # copied from config.top_k (MoE experts), not sampling
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

@@ -1,0 +1,204 @@
+"""Chat format, image-placeholder expansion and loss masks, with a self-check on every sample.
+
+One conversation renders as (per turn, LLaVA "human"/"gpt" or HF "user"/"assistant"):
+
+    <|user|>\\n{human}<|end|>\\n<|assistant|>\\n{gpt}<|end|>\\n
+
+Training labels (-100 = no loss) are set ONLY on each assistant reply's text plus its `<|end|>`
+token. A generation prompt is the rendered turns followed by `<|assistant|>\\n`; generation
+stops at `<|end|>`. Labels are *unshifted* (HF convention): labels[t] is the token at t, the
+model shifts. A BOS token is prepended when the tokenizer has one (e.g. Llama/Mistral `<s>`;
+our BPE tokenizer has none); it never carries loss.
+
+Each `<image>` placeholder (a single special token after tokenisation) is expanded on token
+ids to `<im_start>` + P x `<image>` + `<im_end>`, P = num_image_tokens from the model.
+
+How labels are found: the rendered string is tokenised once with offsets; a token is labelled
+when its character span lies inside an assistant span (reply text + `<|end|>`). The self-check
+then requires: no token straddles a span edge; every labelled run decodes back to exactly
+`reply + <|end|>`; every structural special token (roles, `<|end|>`, image tokens) occurs
+exactly as often as rendered (so user text that *contains* a special-token string is caught);
+and the number of `<image>` ids == P x number of images. Any failure raises
+`TokenizationMismatch(sample_id, detail)`; the data loader counts it as `tokenization_mismatch`.
+"""
+
+from __future__ import annotations
+
+from .common import (
+    ASSISTANT_TOKEN,
+    END_TOKEN,
+    EOS_TOKEN,
+    IGNORE_INDEX,
+    IMAGE_END_TOKEN,
+    IMAGE_START_TOKEN,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    USER_TOKEN,
+    turn_role_and_text,
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>\n{{ message['content'] }}<|end|>\n"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>\n{{ message['content'] }}<|end|>\n"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ROLE_PREFIX = {"user": USER_TOKEN + "\n", "assistant": ASSISTANT_TOKEN + "\n"}
+TURN_SUFFIX = END_TOKEN + "\n"
+
+
+class TokenizationMismatch(Exception):
+    """The tokenised sample does not match its text (see module docstring)."""
+
+    def __init__(self, sample_id, detail: str):
+        super().__init__(f"sample {sample_id}: {detail}")
+        self.sample_id, self.detail = sample_id, detail
+
+
+class ChatTokenizer:
+    """Turns conversations / plain text into (input_ids, labels) lists of ints."""
+
+    def __init__(self, tokenizer, num_image_tokens: int, add_bos: bool | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError("ChatTokenizer needs a fast (tokenizers-backed) tokenizer for offsets")
+        self.tokenizer = tokenizer
+        self.num_image_tokens = int(num_image_tokens)
+        vocab = tokenizer.get_vocab()
+        # ids of our special tokens; None when the tokenizer lacks one (-> every sample mismatches)
+        self.ids = {tok: (vocab.get(tok) if tok in tokenizer.all_special_tokens else None)
+                    for tok in (PAD_TOKEN, EOS_TOKEN, IMAGE_TOKEN, IMAGE_START_TOKEN,
+                                IMAGE_END_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, END_TOKEN)}
+        self.missing = [tok for tok, i in self.ids.items() if i is None]
+        self.pad_id = self.ids[PAD_TOKEN] if self.ids[PAD_TOKEN] is not None else 0
+        self.eos_id = self.ids[EOS_TOKEN]
+        self.end_id = self.ids[END_TOKEN]
+        self.image_id = self.ids[IMAGE_TOKEN]
+        self.image_start_id, self.image_end_id = self.ids[IMAGE_START_TOKEN], self.ids[IMAGE_END_TOKEN]
+        bos_id = tokenizer.bos_token_id
+        self.add_bos = (bos_id is not None) if add_bos is None else bool(add_bos)
+        self.bos = [bos_id] if self.add_bos and bos_id is not None else []
+
+    # ----- rendering -----
+    @staticmethod
+    def render(conversations, add_generation_prompt: bool = False):
+        """Chat string plus [(start, end)] char spans of each assistant reply + its <|end|>."""
+        text, spans = "", []
+        for turn in conversations:
+            role, content = turn_role_and_text(turn)
+            text += ROLE_PREFIX[role]
+            if role == "assistant":
+                spans.append((len(text), len(text) + len(content) + len(END_TOKEN)))
+            text += content + TURN_SUFFIX
+        if add_generation_prompt:
+            text += ROLE_PREFIX["assistant"]
+        return text, spans
+
+    def _expand_images(self, ids: list[int], labels: list[int]):
+        """Replace each <image> id by <im_start> + P x <image> + <im_end> (labels -100)."""
+        if self.image_id is None or self.image_id not in ids:
+            return ids, labels
+        span = [self.image_start_id] + [self.image_id] * self.num_image_tokens + [self.image_end_id]
+        out_ids, out_labels = [], []
+        for tok, lab in zip(ids, labels):
+            if tok == self.image_id:
+                out_ids.extend(span)
+                out_labels.extend([IGNORE_INDEX] * len(span))
+            else:
+                out_ids.append(tok)
+                out_labels.append(lab)
+        return out_ids, out_labels
+
+    # ----- encoding -----
+    def encode_conversation(self, conversations, sample_id="?", num_images: int | None = None):
+        """(input_ids, labels) for a training conversation; raises TokenizationMismatch."""
+        if self.missing:
+            raise TokenizationMismatch(sample_id, f"tokenizer lacks special tokens {self.missing}")
+        text, spans = self.render(conversations)
+        if not spans:
+            raise TokenizationMismatch(sample_id, "no assistant turn to learn from")
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        labels = [IGNORE_INDEX] * len(ids)
+        for i, (start, end) in enumerate(offsets):
+            for span_start, span_end in spans:
+                if span_start <= start and end <= span_end and end > start:
+                    labels[i] = ids[i]
+                elif start < span_start < end or start < span_end < end:
+                    raise TokenizationMismatch(sample_id, f"token {i} straddles a reply boundary")
+        if num_images is None:
+            num_images = text.count(IMAGE_TOKEN)
+        expected_text = [content + END_TOKEN for role, content in map(turn_role_and_text, conversations)
+                         if role == "assistant"]
+        self._check(sample_id, ids, labels, expected_text, conversations, num_images)
+        ids, labels = self._expand_images(ids, labels)
+        self._check_images(sample_id, ids, num_images)
+        return self.bos + ids, [IGNORE_INDEX] * len(self.bos) + labels
+
+    def encode_text(self, text: str, sample_id="?"):
+        """(input_ids, labels) for a plain-text sample: tokens + eos, loss on every token.
+
+        Special-token strings inside the text are tokenised as ordinary text (never as specials).
+        """
+        if self.eos_id is None:
+            raise TokenizationMismatch(sample_id, f"tokenizer lacks {EOS_TOKEN}")
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = self.bos + ids + [self.eos_id]
+        return ids, [IGNORE_INDEX] * len(self.bos) + ids[len(self.bos):]
+
+    def encode_prompt(self, text_or_conversation, chat: bool = True):
+        """Input ids for generation: the user turn(s) + `<|assistant|>\\n` (images expanded).
+
+        A string is one user turn; a list is a conversation (a trailing assistant turn is
+        dropped, earlier ones are kept). With chat=False a string is tokenised as raw text.
+        """
+        if isinstance(text_or_conversation, str):
+            if not chat:
+                ids = self.tokenizer(text_or_conversation, add_special_tokens=False)["input_ids"]
+                return self.bos + self._expand_images(ids, ids)[0]
+            conversation = [{"from": "human", "value": text_or_conversation}]
+        else:
+            conversation = list(text_or_conversation)
+            if conversation and turn_role_and_text(conversation[-1])[0] == "assistant":
+                conversation = conversation[:-1]
+        text, _ = self.render(conversation, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.bos + self._expand_images(ids, ids)[0]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    # ----- self-checks -----
+    def _check(self, sample_id, ids, labels, expected_text, conversations, num_images):
+        runs, current = [], []
+        for tok, lab in zip(ids, labels):
+            if lab != IGNORE_INDEX:
+                current.append(tok)
+            elif current:
+                runs.append(current)
+                current = []
+        if current:
+            runs.append(current)
+        decoded = [self.decode(run) for run in runs]
+        if decoded != expected_text:
+            raise TokenizationMismatch(
+                sample_id, f"labelled tokens decode to {decoded!r}, expected {expected_text!r}")
+        roles = [turn_role_and_text(t)[0] for t in conversations]
+        expected_counts = {self.ids[USER_TOKEN]: roles.count("user"),
+                           self.ids[ASSISTANT_TOKEN]: roles.count("assistant"),
+                           self.end_id: len(roles), self.image_id: num_images,
+                           self.image_start_id: 0, self.image_end_id: 0,
+                           self.ids[PAD_TOKEN]: 0, self.eos_id: 0}
+        for tok_id, want in expected_counts.items():
+            got = ids.count(tok_id)
+            if got != want:
+                name = self.tokenizer.convert_ids_to_tokens(tok_id)
+                raise TokenizationMismatch(sample_id, f"{got} x {name} in tokens, expected {want}")
+
+    def _check_images(self, sample_id, ids, num_images):
+        got = ids.count(self.image_id) if self.image_id is not None else 0
+        if got != self.num_image_tokens * num_images:
+            raise TokenizationMismatch(sample_id, f"{got} <image> tokens for {num_images} images "
+                                                  f"x {self.num_image_tokens}")

@@ -1,0 +1,155 @@
+"""Collators: encoded samples (and Skips) -> one padded or packed batch.
+
+Batch format (both collators):
+
+    input_ids      Long[B, T]   token ids, padded with the pad id
+    labels         Long[B, T]   -100 = no loss (padding, prompts, image tokens, and the first
+                                token of every sample: nothing precedes it inside its sample,
+                                so with HF-style shifting it is never a target)
+    attention_mask Long[B, T]   1 = real token, 0 = padding
+    position_ids   Long[B, T]   0.. restarting at every (packed) sample; 0 on padding
+    segment_ids    Long[B, T]   1, 2, 3.. one id per sample within a row; 0 = padding
+    pixel_values   Float[N, 3, H, W] | None   all images of the batch in order of appearance,
+                                row-major (row 0 left to right, then row 1, ...)
+    skipped        dict reason -> count of samples dropped while building this batch
+    num_samples    int          samples actually in the batch
+
+Truncation (`truncate_sample`) cuts a sample to max_length but never inside an image span
+`<im_start> <image>*P <im_end>`: the cut moves before that span's `<im_start>`, and images
+cut off lose their pixel tensors. A sample is dropped as `too_long` when it had images but
+none survive, or when no loss-carrying token survives.
+
+`PadCollator`: one sample per row. `PackingCollator`: greedy first-fit of whole samples into
+rows of at most max_length tokens (order within a row = input order). Padding side is right
+for training; "left" is available (position ids still start at 0 at the first real token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .common import IGNORE_INDEX, Skip
+
+
+def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id):
+    """Cut `sample` to at most max_length tokens without splitting an image span (or Skip)."""
+    ids, labels = sample["input_ids"], sample["labels"]
+    length = int(ids.numel())
+    if length <= max_length:
+        return sample
+    starts = (ids == image_start_id).nonzero().flatten().tolist() if image_start_id is not None else []
+    ends = (ids == image_end_id).nonzero().flatten().tolist() if image_end_id is not None else []
+    cut = max_length
+    for start, end in zip(starts, ends):
+        if start < cut <= end:  # the cut would fall inside this image span
+            cut = start
+    kept_images = sum(1 for end in ends if end < cut)
+    if starts and kept_images == 0:
+        return Skip("too_long", sample["id"], f"{length} tokens; its first image ends past {max_length}")
+    if not bool((labels[1:cut] != IGNORE_INDEX).any()):
+        return Skip("too_long", sample["id"], f"{length} tokens; no loss token left after cutting at {cut}")
+    pixel_values = sample["pixel_values"]
+    if pixel_values is not None:
+        pixel_values = pixel_values[:kept_images]
+    return {**sample, "input_ids": ids[:cut], "labels": labels[:cut], "pixel_values": pixel_values}
+
+
+class PadCollator:
+    """One sample per row, padded to the longest row of the batch."""
+
+    def __init__(self, pad_id: int, max_length: int, image_start_id=None, image_end_id=None,
+                 padding_side: str = "right"):
+        if padding_side not in ("right", "left"):
+            raise ValueError("padding_side must be 'right' or 'left'")
+        self.pad_id, self.max_length = int(pad_id), int(max_length)
+        self.image_start_id, self.image_end_id = image_start_id, image_end_id
+        self.padding_side = padding_side
+
+    @classmethod
+    def from_chat_tokenizer(cls, chat_tokenizer, max_length: int, **kwargs):
+        return cls(chat_tokenizer.pad_id, max_length, chat_tokenizer.image_start_id,
+                   chat_tokenizer.image_end_id, **kwargs)
+
+    def __call__(self, items) -> dict:
+        samples, skipped = self.prepare(items)
+        return self.assemble(self.make_rows(samples), skipped)
+
+    def make_rows(self, samples):
+        return [[sample] for sample in samples]
+
+    def prepare(self, items):
+        """Drop Skips (counting them), truncate, and mask the first token of every sample."""
+        samples, skipped = [], Counter()
+        for item in items:
+            if not isinstance(item, Skip):
+                item = truncate_sample(item, self.max_length, self.image_start_id, self.image_end_id)
+            if isinstance(item, Skip):
+                skipped[item.reason] += 1
+                continue
+            labels = item["labels"].clone()
+            labels[0] = IGNORE_INDEX
+            samples.append({**item, "labels": labels})
+        return samples, skipped
+
+    def assemble(self, rows, skipped) -> dict:
+        width = max((sum(int(s["input_ids"].numel()) for s in row) for row in rows), default=0)
+        shape = (len(rows), width)
+        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+                 "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+                 "attention_mask": torch.zeros(shape, dtype=torch.long),
+                 "position_ids": torch.zeros(shape, dtype=torch.long),
+                 "segment_ids": torch.zeros(shape, dtype=torch.long)}
+        pixels = []
+        for r, row in enumerate(rows):
+            ids = torch.cat([s["input_ids"] for s in row])
+            labels = torch.cat([s["labels"] for s in row])
+            positions = torch.cat([torch.arange(s["input_ids"].numel()) for s in row])
+            segments = torch.cat([torch.full((s["input_ids"].numel(),), k + 1) for k, s in enumerate(row)])
+            n = ids.numel()
+            cols = slice(0, n) if self.padding_side == "right" else slice(width - n, width)
+            batch["input_ids"][r, cols] = ids
+            batch["labels"][r, cols] = labels
+            batch["attention_mask"][r, cols] = 1
+            batch["position_ids"][r, cols] = positions
+            batch["segment_ids"][r, cols] = segments
+            pixels.extend(s["pixel_values"] for s in row if s["pixel_values"] is not None)
+        batch["pixel_values"] = torch.cat(pixels) if pixels else None
+        batch["skipped"] = dict(skipped)
+        batch["num_samples"] = sum(len(row) for row in rows)
+        return batch
+
+
+class PackingCollator(PadCollator):
+    """Several whole samples per row (greedy first-fit) up to max_length tokens."""
+
+    def __init__(self, *args, pad_to_max_length: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pad_to_max_length = pad_to_max_length
+
+    def make_rows(self, samples):
+        rows, lengths = [], []
+        for sample in samples:
+            n = int(sample["input_ids"].numel())
+            for r, used in enumerate(lengths):
+                if used + n <= self.max_length:
+                    rows[r].append(sample)
+                    lengths[r] += n
+                    break
+            else:
+                rows.append([sample])
+                lengths.append(n)
+        return rows
+
+    def assemble(self, rows, skipped) -> dict:
+        batch = super().assemble(rows, skipped)
+        if self.pad_to_max_length and rows and batch["input_ids"].shape[1] < self.max_length:
+            extra = self.max_length - batch["input_ids"].shape[1]
+            fill = {"input_ids": self.pad_id, "labels": IGNORE_INDEX, "attention_mask": 0,
+                    "position_ids": 0, "segment_ids": 0}
+            for key, value in fill.items():
+                pad = torch.full((batch[key].shape[0], extra), value, dtype=torch.long)
+                batch[key] = torch.cat([batch[key], pad] if self.padding_side == "right"
+                                       else [pad, batch[key]], dim=1)
+        return batch

@@ -1,0 +1,114 @@
+"""Shared conventions of the data package: special tokens, the skip marker, record checks.
+
+Every reader yields *raw records*, plain dicts of one of two shapes:
+
+    {"id": str, "conversations": [{"from": "human"|"gpt", "value": str}, ...], "images": [PIL RGB, ...]}
+    {"id": str, "text": str}
+
+or a `Skip(reason, sample_id, detail)` marker instead of raising. Skips travel through the
+encoder and collator untouched and end up counted in the batch's `skipped` dict, so a bad
+record never stops a run (the loader aborts only if the bad fraction gets too high).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- special tokens (exact strings shared with the model, eval and generation code) ---
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+IMAGE_TOKEN = "<image>"
+IMAGE_START_TOKEN = "<im_start>"
+IMAGE_END_TOKEN = "<im_end>"
+USER_TOKEN = "<|user|>"
+ASSISTANT_TOKEN = "<|assistant|>"
+END_TOKEN = "<|end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IMAGE_TOKEN, IMAGE_START_TOKEN, IMAGE_END_TOKEN,
+                  USER_TOKEN, ASSISTANT_TOKEN, END_TOKEN]
+
+IGNORE_INDEX = -100  # label value that carries no loss
+
+# roles accepted in conversations ("from" in LLaVA files, "role" in HF chat messages)
+USER_ROLES = {"human", "user"}
+ASSISTANT_ROLES = {"gpt", "assistant"}
+
+# reasons a record can be skipped (readers, encoder, collator); others may appear
+SKIP_REASONS = (
+    "bad_json_line", "missing_key", "empty_conversation", "bad_role", "missing_image",
+    "corrupt_image", "image_too_large", "placeholder_mismatch", "non_utf8", "corrupt_shard",
+    "tokenization_mismatch", "too_long",
+)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A record that was dropped, and why. Returned (never raised) by readers."""
+
+    reason: str
+    sample_id: str = "?"
+    detail: str = ""
+
+
+def turn_role_and_text(turn: dict) -> tuple[str, str]:
+    """('user'|'assistant', text) for a LLaVA turn {"from","value"} or HF message {"role","content"}."""
+    role = turn.get("from", turn.get("role"))
+    text = turn.get("value", turn.get("content"))
+    if role is None or text is None:
+        raise KeyError("turn needs 'from'/'value' (or 'role'/'content')")
+    if isinstance(text, list):  # HF multimodal content: [{"type": "image"}, {"type": "text", ...}]
+        text = "".join(IMAGE_TOKEN + "\n" if part.get("type") == "image" else str(part.get("text", ""))
+                       for part in text)
+    if role in USER_ROLES:
+        return "user", str(text)
+    if role in ASSISTANT_ROLES:
+        return "assistant", str(text)
+    raise ValueError(f"unknown role {role!r}")
+
+
+def has_surrogates(value) -> bool:
+    """True if any string inside `value` holds undecodable bytes (from errors='surrogateescape')."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return False
+        except UnicodeEncodeError:
+            return True
+    if isinstance(value, dict):
+        return any(has_surrogates(k) or has_surrogates(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_surrogates(v) for v in value)
+    return False
+
+
+def check_conversation(conversations, num_images: int, sample_id: str) -> Skip | None:
+    """Validate a conversation list; return a Skip for the first problem found, else None.
+
+    Rules: a non-empty list of turns with known roles and string text, at least one assistant
+    turn, `<image>` only in user turns, and exactly one `<image>` per attached image.
+    """
+    if not isinstance(conversations, list):
+        return Skip("missing_key", sample_id, "'conversations' is not a list")
+    if not conversations:
+        return Skip("empty_conversation", sample_id, "no turns")
+    placeholders, assistant_turns = 0, 0
+    for turn in conversations:
+        if not isinstance(turn, dict):
+            return Skip("missing_key", sample_id, "turn is not an object")
+        try:
+            role, text = turn_role_and_text(turn)
+        except KeyError as err:
+            return Skip("missing_key", sample_id, str(err))
+        except ValueError as err:
+            return Skip("bad_role", sample_id, str(err))
+        count = text.count(IMAGE_TOKEN)
+        if role == "assistant":
+            assistant_turns += 1
+            if count:
+                return Skip("placeholder_mismatch", sample_id, "<image> inside an assistant turn")
+        placeholders += count
+    if assistant_turns == 0:
+        return Skip("empty_conversation", sample_id, "no assistant turn")
+    if placeholders != num_images:
+        return Skip("placeholder_mismatch", sample_id,
+                    f"{placeholders} <image> placeholders for {num_images} images")
+    return None

@@ -1,0 +1,50 @@
+"""Raw record -> encoded sample (token ids, labels, pixel tensors), run inside DataLoader workers.
+
+An encoded sample is a dict:
+
+    {"id": str, "input_ids": Long[L], "labels": Long[L], "pixel_values": Float[n,3,H,W] | None}
+
+A `Skip` passes through unchanged. A `TokenizationMismatch` from the chat tokenizer becomes
+`Skip("tokenization_mismatch")`; any other unexpected exception while encoding one record
+becomes `Skip("unexpected_error:<ExceptionType>")`, so one odd record cannot kill a long run
+(the loader's bad-data limit still stops a run where this happens systematically).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chat_template import ChatTokenizer, TokenizationMismatch
+from .common import Skip
+
+
+class SampleEncoder:
+    def __init__(self, chat_tokenizer: ChatTokenizer, image_transform=None):
+        self.chat_tokenizer = chat_tokenizer
+        self.image_transform = image_transform
+
+    def __call__(self, record):
+        if isinstance(record, Skip):
+            return record
+        sample_id = str(record.get("id", "?"))
+        try:
+            return self._encode(record, sample_id)
+        except TokenizationMismatch as err:
+            return Skip("tokenization_mismatch", sample_id, err.detail)
+        except Exception as err:  # noqa: BLE001 - counted, never silently ignored
+            return Skip(f"unexpected_error:{type(err).__name__}", sample_id, str(err))
+
+    def _encode(self, record, sample_id):
+        pixel_values = None
+        if "conversations" in record:
+            images = record.get("images") or []
+            ids, labels = self.chat_tokenizer.encode_conversation(
+                record["conversations"], sample_id, num_images=len(images))
+            if images:
+                if self.image_transform is None:
+                    raise ValueError("record has images but no image_transform was given")
+                pixel_values = torch.stack([self.image_transform(im) for im in images])
+        else:
+            ids, labels = self.chat_tokenizer.encode_text(record["text"], sample_id)
+        return {"id": sample_id, "input_ids": torch.tensor(ids, dtype=torch.long),
+                "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": pixel_values}

@@ -1,0 +1,108 @@
+"""Safe image loading and the model's image transform.
+
+`load_image` never raises on bad data: it returns a PIL RGB image or a `Skip` with reason
+`missing_image`, `corrupt_image` or `image_too_large`. The size guard reads only the image
+header (width x height) and refuses anything above `max_pixels` *before* decoding, so a
+decompression bomb never allocates its pixels.
+
+`to_rgb` maps every PIL mode we meet in the wild to 8-bit RGB:
+L/1 -> replicated gray; LA/RGBA/PA and P with transparency -> alpha-composited on white;
+CMYK/YCbCr/LAB/HSV -> PIL's conversion; I;16* (16-bit, or mode I with values > 255) -> divided
+by 257 (0..65535 -> 0..255); other I / F -> clipped to 0..255.
+
+`ImageTransform` is the model-side preprocessing: RGB -> Resize(image_size x image_size,
+bicubic or nearest) -> ToTensor -> Normalize(mean, std). It is a plain picklable class so
+DataLoader workers can use it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from torchvision import transforms
+
+from .common import Skip
+
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own Image.MAX_IMAGE_PIXELS default (~ 9459 x 9459)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL image to 8-bit RGB (see module docstring for the per-mode rules)."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        array = np.asarray(image).astype(np.float64)
+        if mode.startswith("I;16") or (mode == "I" and array.max(initial=0) > 255):
+            array = array / 257.0  # 16-bit data (PIL opens some 16-bit files as mode "I")
+        array = np.clip(np.rint(array), 0, 255).astype(np.uint8)
+        return Image.fromarray(array, mode="L").convert("RGB")
+    if mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+        mode = image.mode
+    if mode in ("LA", "PA", "RGBa", "La"):
+        image = image.convert("RGBA")
+        mode = "RGBA"
+    if mode == "RGBA":
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image, mask=image.getchannel("A"))
+        return background
+    return image.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
+
+
+def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?"):
+    """Open a path or raw bytes as RGB; return the image or a Skip (never raises on bad data)."""
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.isfile(source):
+            return Skip("missing_image", sample_id, str(source))
+        opener = lambda: Image.open(source)
+    else:
+        opener = lambda: Image.open(io.BytesIO(source))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = opener()
+        try:
+            width, height = image.size  # header only, nothing decoded yet
+            if width * height > max_pixels:
+                return Skip("image_too_large", sample_id, f"{width}x{height} > {max_pixels} pixels")
+            image.load()
+            rgb = to_rgb(image)
+            return rgb.copy() if rgb is image else rgb  # close() below frees `image`
+        finally:
+            image.close()
+    except Image.DecompressionBombError as err:
+        return Skip("image_too_large", sample_id, str(err))
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as err:
+        return Skip("corrupt_image", sample_id, f"{type(err).__name__}: {err}")
+
+
+class ImageTransform:
+    """PIL image -> normalised Float[3, image_size, image_size] tensor."""
+
+    def __init__(self, image_size: int = 224, image_mean=(0.5, 0.5, 0.5),
+                 image_std=(0.5, 0.5, 0.5), resample: str = "bicubic"):
+        modes = {"bicubic": transforms.InterpolationMode.BICUBIC,
+                 "nearest": transforms.InterpolationMode.NEAREST,
+                 "bilinear": transforms.InterpolationMode.BILINEAR}
+        if resample not in modes:
+            raise ValueError(f"resample must be one of {sorted(modes)}, got {resample!r}")
+        self.image_size, self.resample = int(image_size), resample
+        self.image_mean, self.image_std = list(image_mean), list(image_std)
+        self.transform = transforms.Compose([
+            transforms.Resize((self.image_size, self.image_size), interpolation=modes[resample],
+                              antialias=True),
+            transforms.ToTensor(),
+            transforms.Normalize(self.image_mean, self.image_std),
+        ])
+
+    def __call__(self, image: Image.Image):
+        return self.transform(to_rgb(image))
+
+    def __repr__(self) -> str:
+        return (f"ImageTransform(image_size={self.image_size}, resample={self.resample!r}, "
+                f"mean={self.image_mean}, std={self.image_std})")

@@ -1,0 +1,120 @@
+"""LLaVA-style conversation files (JSON list or JSONL) as a map-style torch Dataset.
+
+Record format (one per list element / line):
+
+    {"id": "...", "image": "rel/path.png" | ["a.png", "b.png"] | absent,
+     "conversations": [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "..."}]}
+
+`dataset[i]` returns `{"id", "conversations", "images": [PIL RGB, ...]}` or a `Skip` - it
+never raises on bad data. Reasons: `bad_json_line` (JSONL line that is not a JSON object),
+`non_utf8` (undecodable bytes in the record), `missing_key` (no/invalid `conversations`, turn
+without from/value, bad `image` field), `empty_conversation`, `bad_role`, `missing_image`,
+`corrupt_image`, `image_too_large` (header-only size check before decoding, see images.py),
+`placeholder_mismatch` (number of `<image>` in the text != number of images).
+
+Storage: records are kept as one bytes blob + numpy offsets (JSONL: file byte offsets, read on
+demand), not as a list of dicts, so forked DataLoader workers do not copy-on-write the index.
+A JSON-list file that cannot be parsed at all is a configuration error and raises at
+construction (not mid-run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .common import Skip, check_conversation, has_surrogates
+from .images import DEFAULT_MAX_PIXELS, load_image
+
+
+class LlavaJsonDataset(Dataset):
+    def __init__(self, path: str, image_root: str | None = None,
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS, name: str | None = None):
+        self.path = str(path)
+        self.image_root = str(image_root) if image_root is not None else os.path.dirname(self.path)
+        self.max_image_pixels = int(max_image_pixels)
+        self.name = name or os.path.splitext(os.path.basename(self.path))[0]
+        with open(self.path, "rb") as f:
+            head = f.read(4096).lstrip()
+        self.is_jsonl = self.path.endswith(".jsonl") or not head.startswith(b"[")
+        if self.is_jsonl:
+            self._index_jsonl()
+        else:
+            self._index_json_list()
+
+    # ----- indexing -----
+    def _index_jsonl(self) -> None:
+        starts, ends, pos = [], [], 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    starts.append(pos)
+                    ends.append(pos + len(line))
+                pos += len(line)
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._ends = np.asarray(ends, dtype=np.int64)
+        self._blob = None
+
+    def _index_json_list(self) -> None:
+        with open(self.path, "rb") as f:
+            text = f.read().decode("utf-8", errors="surrogateescape")
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{self.path}: not a valid JSON list ({err})") from err
+        if not isinstance(records, list):
+            raise ValueError(f"{self.path}: top-level JSON must be a list of records")
+        # ensure_ascii=True keeps undecodable bytes as \\udcXX escapes -> detected per record
+        encoded = [json.dumps(r, ensure_ascii=True).encode("ascii") for r in records]
+        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+        self._starts = self._ends - np.asarray([len(e) for e in encoded], dtype=np.int64)
+        self._blob = b"".join(encoded)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def _raw(self, index: int) -> bytes:
+        start, end = int(self._starts[index]), int(self._ends[index])
+        if self._blob is not None:
+            return self._blob[start:end]
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    # ----- records -----
+    def __getitem__(self, index: int):
+        fallback_id = f"{self.name}:{index}"
+        raw = self._raw(index)
+        try:
+            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+        except json.JSONDecodeError as err:
+            return Skip("bad_json_line", fallback_id, str(err))
+        if not isinstance(record, dict):
+            return Skip("bad_json_line", fallback_id, "record is not a JSON object")
+        sample_id = str(record.get("id", fallback_id))
+        if has_surrogates(record):
+            return Skip("non_utf8", sample_id, "record contains bytes that are not UTF-8")
+        if "conversations" not in record:
+            return Skip("missing_key", sample_id, "no 'conversations'")
+        image_field = record.get("image")
+        if image_field is None:
+            paths = []
+        elif isinstance(image_field, str):
+            paths = [image_field]
+        elif isinstance(image_field, list) and all(isinstance(p, str) for p in image_field):
+            paths = image_field
+        else:
+            return Skip("missing_key", sample_id, "'image' must be a path or a list of paths")
+        problem = check_conversation(record["conversations"], len(paths), sample_id)
+        if problem is not None:
+            return problem
+        images = []
+        for rel in paths:
+            image = load_image(os.path.join(self.image_root, rel), self.max_image_pixels, sample_id)
+            if isinstance(image, Skip):
+                return image
+            images.append(image)
+        return {"id": sample_id, "conversations": record["conversations"], "images": images}

@@ -1,0 +1,97 @@
+"""Tokenizer folders: train our small byte-level BPE, or wrap a real pretrained SentencePiece model.
+
+Both produce a standard Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json
+with the jinja chat template inline, special_tokens_map.json) that `AutoTokenizer.from_pretrained`
+loads offline, with our special tokens registered as special (never split):
+`<|pad|> <|endoftext|> <image> <im_start> <im_end> <|user|> <|assistant|> <|end|>`.
+
+`train_bpe_tokenizer` - byte-level BPE (GPT-2 style pre-tokenisation, all 256 bytes in the
+alphabet so nothing is ever unknown) trained with the `tokenizers` library; the 8 special tokens
+get ids 0..7 in the order above (pad = 0, eos = 1).
+
+`sentencepiece_tokenizer_folder` - turns a SentencePiece `.model` (e.g. the 32k Mistral-7B v1
+`tokenizer.model.v1` shipped inside `mistral-common`, see `mistral_sentencepiece_path`) into a
+LlamaTokenizer folder plus our special tokens (ids 32000..32007 for a 32k model). The vocabulary
+and merges are read through the `sentencepiece` library itself rather than transformers'
+protobuf-based converter (which breaks when the installed protobuf is older than the one
+sentencepiece's generated code wants); the result encodes text exactly like SentencePiece
+(checked in tests/test_processing.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+from .chat_template import CHAT_TEMPLATE
+from .common import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+
+EXTRA_SPECIALS = [t for t in SPECIAL_TOKENS if t not in (PAD_TOKEN, EOS_TOKEN)]
+
+
+def save_tokenizer_folder(tokenizer, out_dir: str) -> str:
+    """save_pretrained with the chat template inline in tokenizer_config.json + special_tokens_map.json."""
+    tokenizer.chat_template = CHAT_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    special_map = dict(tokenizer.special_tokens_map)
+    special_map["additional_special_tokens"] = list(tokenizer.extra_special_tokens)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump(special_map, f, indent=2)
+    return out_dir
+
+
+def train_bpe_tokenizer(texts, out_dir: str, vocab_size: int = 2048):
+    """Train a byte-level BPE on an iterable of strings; save and return a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    core.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+        extra_special_tokens=EXTRA_SPECIALS, clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20)
+    save_tokenizer_folder(tokenizer, out_dir)
+    return tokenizer
+
+
+def mistral_sentencepiece_path(name: str = "tokenizer.model.v1") -> str:
+    """Path of a SentencePiece model bundled with the installed `mistral-common` package."""
+    spec = importlib.util.find_spec("mistral_common")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("mistral-common is not installed (pip install --no-deps mistral-common==1.13.1)")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "data", name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{name} not found inside mistral-common at {path}")
+    return path
+
+
+def sentencepiece_tokenizer_folder(model_file: str, out_dir: str):
+    """Build a LlamaTokenizer folder (+ our special tokens) from a SentencePiece BPE model."""
+    import sentencepiece
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    scores = {piece: sp.get_score(i) for i, piece in enumerate(pieces)}
+    merges = generate_merges(vocab, scores)  # SentencePiece BPE: merge priority = piece score
+    special = lambda i: pieces[i] if i >= 0 else None
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, legacy=False, add_prefix_space=True,
+                               unk_token=special(sp.unk_id()), bos_token=special(sp.bos_id()),
+                               eos_token=special(sp.eos_id()), clean_up_tokenization_spaces=False)
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN, "eos_token": EOS_TOKEN,
+                                  "extra_special_tokens": EXTRA_SPECIALS})
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))  # provenance copy
+    save_tokenizer_folder(tokenizer, out_dir)
+    return tokenizer

@@ -1,0 +1,149 @@
+"""Continual-training conversion: a trained plain MoE checkpoint -> a ConceptMoE checkpoint.
+
+    python -m vlm.convert --from runs/moe/hf --to runs/moe_to_concept --ratio 1.5 --strategy loop
+
+What it does (the paper's conversion path, section 7):
+- copies every weight of the baseline (embeddings, all layers, norms, head; for a VLM also the
+  vision tower and projector): the layer stack is split into L_E encoder / L_C concept / L_D decoder
+  layers with unchanged parameter names, so nothing is re-initialised;
+- adds the chunk router with RANDOM init, uses ``concept_merge: last`` (keeps the initial loss
+  close to the baseline's), zero-initialises the joint-decoding projections;
+- gives the saved compute back as the FLOP matcher solves (``vlm/flop_matching.py``), here with the
+  experts kept as they are (no expert is dropped, so every weight has a home): ``topk`` raises the
+  concept layers' top-k, ``loop`` also re-runs middle concept layers with their own weights.
+
+Identity check (``--check``): with every token forced to be a concept (``boundary_mode: all``,
+R = 1) the matcher has no compute to give back, i.e. the baseline's top-k and no loops; in that
+setting the converted model's logits equal the baseline's. The check runs that and prints the
+largest logit difference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from vlm.config import ConceptMoEConfig
+from vlm.flop_matching import solve_match
+from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.safe_loading import require_safetensors
+
+CHUNKER_KEYS = ("chunker.", "q_c_proj", "k_c_proj", "v_c_proj", "concept_in", "concept_out")
+
+
+def _load_kind(path: Path) -> str:
+    cfg = json.loads((path / "config.json").read_text())
+    return cfg.get("model_type", "")
+
+
+def converted_text_config(base: ConceptMoEConfig, ratio: float, strategy: str, encoder_layers=None,
+                          decoder_layers=None, joint_decoding_layers: int = 4) -> ConceptMoEConfig:
+    if base.chunking:
+        raise ValueError("the source checkpoint already has chunking on: convert a plain MoE")
+    return solve_match(base, strategy, ratio, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+                       joint_decoding_layers=joint_decoding_layers, max_expert_cut=0.0, concept_merge="last",
+                       router_init="random")
+
+
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> list[str]:
+    """Load every source weight into ``dst``; returns the new (chunker / joint) parameter names."""
+    result = dst.load_state_dict(src.state_dict(), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"weights with no home in the converted model: {result.unexpected_keys[:5]}")
+    bad = [k for k in result.missing_keys if not any(tag in k for tag in CHUNKER_KEYS)]
+    if bad:
+        raise ValueError(f"converted model has weights the baseline lacks: {bad[:5]}")
+    return list(result.missing_keys)
+
+
+def identity_config(cfg: ConceptMoEConfig) -> ConceptMoEConfig:
+    """The converted architecture at R = 1: every token a concept, baseline top-k, no loops."""
+    d = cfg.to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        d.pop(key, None)
+    d.update(boundary_mode="all", concept_top_k=None, concept_loop_layers=[], concept_loop_times=1)
+    return ConceptMoEConfig(**d)
+
+
+def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=None, decoder_layers=None,
+            joint_decoding_layers: int = 4, seed: int = 0):
+    require_safetensors(src)
+    kind = _load_kind(src)
+    torch.manual_seed(seed)
+    if kind == "conceptmoe_vlm":
+        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+        base = ConceptMoEVLMForConditionalGeneration.from_pretrained(src)
+        new_text = converted_text_config(base.config.text_config, ratio, strategy, encoder_layers, decoder_layers,
+                                         joint_decoding_layers)
+        cfg = base.config.__class__(vision=base.config.vision, projector=base.config.projector, text_config=new_text,
+                                    image_token_id=base.config.image_token_id,
+                                    im_start_token_id=base.config.im_start_token_id,
+                                    im_end_token_id=base.config.im_end_token_id)
+        model = ConceptMoEVLMForConditionalGeneration(cfg)
+    elif kind == "conceptmoe":
+        base = ConceptMoEForCausalLM.from_pretrained(src)
+        model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
+                                                            decoder_layers, joint_decoding_layers))
+    else:
+        raise ValueError(f"{src}: not a ConceptMoE checkpoint (model_type {kind!r})")
+    new_keys = copy_weights(base, model)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    for extra in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / extra).exists():
+            shutil.copy2(src / extra, dst / extra)
+    return base, model, new_keys
+
+
+@torch.no_grad()
+def identity_gap(base, model, vocab: int, seq_len: int = 32, seed: int = 0) -> float:
+    """Largest |logit difference| between the baseline and the converted model run at R = 1."""
+    text = getattr(model, "language_model", model)
+    base_text = getattr(base, "language_model", base)
+    at_r1 = ConceptMoEForCausalLM(identity_config(text.config))
+    copy_weights(text, at_r1)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, seq_len), generator=g)
+    return float((at_r1.eval()(ids).logits - base_text.eval()(ids).logits).abs().max())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="src", required=True, help="HF export of a plain MoE (LM or VLM)")
+    ap.add_argument("--to", dest="dst", required=True)
+    ap.add_argument("--ratio", type=float, default=1.5)
+    ap.add_argument("--strategy", choices=("topk", "loop"), default="topk")
+    ap.add_argument("--encoder-layers", type=int, default=None)
+    ap.add_argument("--decoder-layers", type=int, default=None)
+    ap.add_argument("--joint-layers", type=int, default=4)
+    ap.add_argument("--check", action="store_true", help="verify the R = 1 identity and print the gap")
+    args = ap.parse_args(argv)
+    src, dst = Path(args.src), Path(args.dst)
+    if not (src / "config.json").is_file():
+        print(f"error: {src} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        base, model, new_keys = convert(src, dst, args.ratio, args.strategy, args.encoder_layers,
+                                        args.decoder_layers, args.joint_layers)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text = getattr(model, "language_model", model).config
+    print(f"converted {src} -> {dst}: L_E={text.encoder_layers} L_C={text.concept_layers} "
+          f"L_D={text.decoder_layers} R={text.target_ratio} concept_top_k={text.concept_top_k} "
+          f"loops={text.concept_loop_layers}x{text.concept_loop_times} joint={text.joint_decoding_layers}; "
+          f"{len(new_keys)} new tensors (chunker, joint decoding)")
+    if args.check:
+        gap = identity_gap(base, model, text.vocab_size)
+        print(f"R=1 identity check: max |logit difference| = {gap:.3e}")
+        if gap > 1e-4:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""ConceptMoEVLMProcessor: tokenizer + image preprocessing + chat format, saved as plain files.
+
+A plain class with the surface of a Hugging Face processor (not a ProcessorMixin: that expects
+a registered image-processor class and pickles nothing we need):
+
+    processor = ConceptMoEVLMProcessor(tokenizer, num_image_tokens=16, image_size=32)
+    batch = processor(text=["<image>\\nWhat digit is this?"], images=[img])   # generation prompts
+    batch -> {"input_ids": Long[B,T], "attention_mask": Long[B,T], "pixel_values": Float[N,3,H,W]|None}
+    processor.batch_decode(generated_ids)
+    processor.save_pretrained(dir); ConceptMoEVLMProcessor.from_pretrained(dir)
+
+Images: any PIL mode -> RGB -> Resize((image_size, image_size), bicubic|nearest|bilinear) ->
+ToTensor -> Normalize(image_mean, image_std) (`data_pipelines.images.ImageTransform`).
+Text: a string is one user turn (wrapped in the chat format and followed by `<|assistant|>\\n`),
+a list of turns is a conversation; each `<image>` expands to `<im_start>` + P x `<image>` +
+`<im_end>` (P = num_image_tokens). Prompts are left-padded by default (generation).
+
+Saved files: the tokenizer folder (tokenizer.json, tokenizer_config.json with the chat template,
+special_tokens_map.json) + `processor_config.json` (image and token settings). Loading reads
+only JSON (no pickle, no remote code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from PIL import Image
+
+from data_pipelines.chat_template import ChatTokenizer
+from data_pipelines.images import ImageTransform
+from data_pipelines.tokenizer_files import save_tokenizer_folder
+
+PROCESSOR_CONFIG = "processor_config.json"
+
+
+class ConceptMoEVLMProcessor:
+    def __init__(self, tokenizer, num_image_tokens: int, image_size: int = 224,
+                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), resample: str = "bicubic",
+                 add_bos: bool | None = None):
+        self.tokenizer = tokenizer
+        self.image_transform = ImageTransform(image_size, image_mean, image_std, resample)
+        self.chat_tokenizer = ChatTokenizer(tokenizer, num_image_tokens, add_bos=add_bos)
+        self.add_bos = add_bos
+
+    # ----- settings -----
+    @property
+    def num_image_tokens(self) -> int:
+        return self.chat_tokenizer.num_image_tokens
+
+    @property
+    def image_size(self) -> int:
+        return self.image_transform.image_size
+
+    # token ids the model config needs (ConceptMoEVLMConfig.image_token_id, ...)
+    image_token_id = property(lambda self: self.chat_tokenizer.image_id)
+    im_start_token_id = property(lambda self: self.chat_tokenizer.image_start_id)
+    im_end_token_id = property(lambda self: self.chat_tokenizer.image_end_id)
+    pad_token_id = property(lambda self: self.chat_tokenizer.pad_id)
+    end_token_id = property(lambda self: self.chat_tokenizer.end_id)  # generation stops here
+
+    def to_config(self) -> dict:
+        return {"processor_class": type(self).__name__, "num_image_tokens": self.num_image_tokens,
+                "image_size": self.image_size, "image_mean": self.image_transform.image_mean,
+                "image_std": self.image_transform.image_std, "resample": self.image_transform.resample,
+                "add_bos": self.add_bos,
+                "token_ids": {name: i for name, i in self.chat_tokenizer.ids.items()}}
+
+    # ----- images -----
+    def preprocess_images(self, images) -> torch.Tensor | None:
+        """A PIL image or a (nested) list of them -> Float[N, 3, S, S] in order, or None."""
+        flat = list(_flatten_images(images))
+        if not flat:
+            return None
+        return torch.stack([self.image_transform(image) for image in flat])
+
+    # ----- text -----
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        """Render a conversation (LLaVA from/value or HF role/content turns) in our chat format.
+
+        tokenize=True returns the token ids (BOS if any, `<image>` placeholders expanded).
+        """
+        text = self.chat_tokenizer.render(conversation, add_generation_prompt=add_generation_prompt)[0]
+        return self.chat_tokenizer.encode_prompt(text, chat=False) if tokenize else text
+
+    def __call__(self, text=None, images=None, return_tensors: str | None = "pt",
+                 padding_side: str = "left", chat: bool = True) -> dict:
+        """Generation prompts -> dict(input_ids, attention_mask, pixel_values).
+
+        text: a string, a conversation (list of turn dicts), or a list of either (a batch).
+        images: None, a PIL image, a list of images, or one list per prompt; they are taken
+        in order of the `<image>` placeholders (row-major over the batch).
+        """
+        if text is None:
+            raise ValueError("text is required (use '<image>' placeholders for images)")
+        prompts = [text] if isinstance(text, str) or _is_conversation(text) else list(text)
+        rows = [self.chat_tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+        pixel_values = self.preprocess_images(images)
+        n_images = 0 if pixel_values is None else pixel_values.shape[0]
+        n_tokens = sum(row.count(self.chat_tokenizer.image_id) for row in rows) \
+            if self.chat_tokenizer.image_id is not None else 0
+        if n_tokens != n_images * self.num_image_tokens:
+            raise ValueError(f"{n_tokens // max(self.num_image_tokens, 1)} <image> placeholders "
+                             f"but {n_images} images")
+        width = max(len(row) for row in rows)
+        pad = self.chat_tokenizer.pad_id
+        input_ids, attention_mask = [], []
+        for row in rows:
+            fill = width - len(row)
+            if padding_side == "left":
+                input_ids.append([pad] * fill + row)
+                attention_mask.append([0] * fill + [1] * len(row))
+            elif padding_side == "right":
+                input_ids.append(row + [pad] * fill)
+                attention_mask.append([1] * len(row) + [0] * fill)
+            else:
+                raise ValueError("padding_side must be 'left' or 'right'")
+        if return_tensors == "pt":
+            return {"input_ids": torch.tensor(input_ids, dtype=torch.long),
+                    "attention_mask": torch.tensor(attention_mask, dtype=torch.long),
+                    "pixel_values": pixel_values}
+        if return_tensors is None:
+            return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
+        raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        if isinstance(sequences, torch.Tensor):
+            sequences = sequences.tolist()
+        return [self.decode(seq, skip_special_tokens) for seq in sequences]
+
+    # ----- files -----
+    def save_pretrained(self, save_directory: str) -> str:
+        os.makedirs(save_directory, exist_ok=True)
+        save_tokenizer_folder(self.tokenizer, save_directory)
+        with open(os.path.join(save_directory, PROCESSOR_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(self.to_config(), f, indent=2)
+        return save_directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str, **overrides) -> ConceptMoEVLMProcessor:
+        from transformers import AutoTokenizer
+
+        with open(os.path.join(directory, PROCESSOR_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        kwargs = {k: config[k] for k in ("num_image_tokens", "image_size", "image_mean",
+                                         "image_std", "resample", "add_bos") if k in config}
+        kwargs.update(overrides)
+        return cls(tokenizer, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"ConceptMoEVLMProcessor(num_image_tokens={self.num_image_tokens}, "
+                f"{self.image_transform!r}, vocab={len(self.tokenizer)})")
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def _flatten_images(images):
+    if images is None:
+        return
+    if isinstance(images, Image.Image):
+        yield images
+        return
+    for item in images:
+        yield from _flatten_images(item)
