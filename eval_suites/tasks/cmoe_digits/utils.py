@@ -1,0 +1,66 @@
+"""Helpers for the offline ConceptMoE-VL digit tasks (``cmoe_digits_vqa``, ``cmoe_digits_mc``).
+
+Data files: ``$CMOE_DATA_DIR/digits_{vqa,mc}_test.parquet``. ``CMOE_DATA_DIR`` defaults to
+``data/default/eval`` under the current directory when that exists, else under the repository
+that holds this file. Build them with ``python -m eval_suites.build_tasks`` (``eval_suites.run``
+does it for you). The YAMLs read ``VQA_DATA_FILES`` / ``MC_DATA_FILES`` through lmms-eval's
+``!function`` tag, which imports a module attribute relative to the YAML; here the attribute is
+the ``data_files`` mapping handed to ``datasets.load_dataset("parquet", data_files=...)``,
+resolved when the task config is loaded.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+DEFAULT_DATA_DIR = os.path.join("data", "default", "eval")
+VQA_FILE = "digits_vqa_test.parquet"
+MC_FILE = "digits_mc_test.parquet"
+
+
+def data_dir() -> str:
+    env = os.environ.get("CMOE_DATA_DIR", "").strip()
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    local = os.path.abspath(DEFAULT_DATA_DIR)
+    if os.path.isdir(local):
+        return local
+    repo = Path(__file__).resolve().parents[3]  # eval_suites/tasks/cmoe_digits/utils.py -> repo root
+    return str(repo / DEFAULT_DATA_DIR)
+
+
+VQA_DATA_FILES = {"test": os.path.join(data_dir(), VQA_FILE)}
+MC_DATA_FILES = {"test": os.path.join(data_dir(), MC_FILE)}
+
+
+# ----- shared -----
+def doc_to_visual(doc):
+    return [doc["image"].convert("RGB")]
+
+
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    kwargs = lmms_eval_specific_kwargs or {}
+    return f"{kwargs.get('pre_prompt', '')}{doc['question']}{kwargs.get('post_prompt', '')}"
+
+
+# ----- VQA: exact match -----
+def normalize_answer(text: str) -> str:
+    """Lower case, surrounding whitespace and trailing punctuation removed, inner spaces squeezed."""
+    text = re.sub(r"\s+", " ", str(text).strip().lower())
+    return text.rstrip(" .!?,;:")
+
+
+def vqa_process_results(doc, results):
+    prediction = results[0] if results else ""
+    hit = float(normalize_answer(prediction) == normalize_answer(doc["answer"]))
+    return {"exact_match": hit}
+
+
+# ----- multiple choice -----
+def mc_doc_to_choice(doc):
+    return list(doc["choices"])
+
+
+def mc_doc_to_target(doc):
+    return int(doc["label"])

@@ -1,0 +1,90 @@
+"""Tiny random ConceptMoE-VL checkpoints for the evaluation tests (tests/test_eval_*.py).
+
+``make_tiny_checkpoint(out_dir, tokenizer_dir)`` writes an HF export like the trainer's
+``runs/<name>/hf/``: ``ConceptMoEVLMForConditionalGeneration.save_pretrained`` (config.json +
+model.safetensors) and ``ConceptMoEVLMProcessor.save_pretrained`` (tokenizer files +
+processor_config.json), from ``configs/model/vlm_tiny.yaml`` with the token ids and vocabulary
+size of the given tokenizer and seeded random weights. Idempotent (a ``.complete`` stamp).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_VLM_PRESET = REPO / "configs" / "model" / "vlm_tiny.yaml"
+
+
+def tokenizer_token_ids(tokenizer) -> dict:
+    from data_pipelines.common import (
+        END_TOKEN,
+        IMAGE_END_TOKEN,
+        IMAGE_START_TOKEN,
+        IMAGE_TOKEN,
+        PAD_TOKEN,
+    )
+
+    vocab = tokenizer.get_vocab()
+    return {"vocab_size": len(tokenizer), "pad_token_id": vocab.get(PAD_TOKEN, 0),
+            "eos_token_id": vocab.get(END_TOKEN, tokenizer.eos_token_id),
+            "image_token_id": vocab[IMAGE_TOKEN], "im_start_token_id": vocab[IMAGE_START_TOKEN],
+            "im_end_token_id": vocab[IMAGE_END_TOKEN]}
+
+
+def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VLM_PRESET):
+    """(model, processor): a seeded random tiny VLM in eval mode and its processor."""
+    import torch
+
+    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.vlm_config import ConceptMoEVLMConfig
+
+    config = ConceptMoEVLMConfig.from_yaml(preset, **tokenizer_token_ids(tokenizer))
+    torch.manual_seed(seed)
+    model = ConceptMoEVLMForConditionalGeneration(config).float().eval()
+    processor = ConceptMoEVLMProcessor(tokenizer, num_image_tokens=model.num_image_tokens,
+                                       image_size=model.vision.image_size)
+    return model, processor
+
+
+def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int = 0) -> str:
+    out_dir = str(out_dir)
+    stamp = os.path.join(out_dir, ".complete")
+    if os.path.isfile(stamp):
+        return out_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    model, processor = build_tiny_vlm(tokenizer, seed)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    with open(stamp, "w") as f:
+        f.write("ok\n")
+    return out_dir
+
+
+# ----- pytest session helpers (shared by tests/test_eval_*.py through the session base temp dir) -----
+def default_data_dir(tmp_path_factory) -> str:
+    """The repo's built ``data/default`` (``make test`` builds it first), else a session-built copy."""
+    repo_data = REPO / "data" / "default"
+    if (repo_data / ".built").is_file() and (repo_data / "tokenizer").is_dir():
+        return str(repo_data)
+    from data_pipelines.testing import session_default_data
+
+    return session_default_data(tmp_path_factory)
+
+
+def session_checkpoint(tmp_path_factory) -> str:
+    """A tiny random checkpoint, made once per pytest session."""
+    data = default_data_dir(tmp_path_factory)
+    return make_tiny_checkpoint(tmp_path_factory.getbasetemp() / "cmoe_tiny_vlm", os.path.join(data, "tokenizer"))
+
+
+def session_eval_data(tmp_path_factory) -> str:
+    """The task parquet files, built once per pytest session (never into the repo's data folder)."""
+    from eval_suites.build_tasks import build
+
+    data = default_data_dir(tmp_path_factory)
+    out = str(tmp_path_factory.getbasetemp() / "cmoe_eval_data")
+    build(data, out, quiet=True)
+    return out
