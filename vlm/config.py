@@ -51,6 +51,8 @@ class AttentionConfig:
                f"{self.num_attention_heads}")
         _check(self.head_dim is None or self.head_dim > 0, "head_dim", "must be > 0")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
+        _check(self.max_position_embeddings > 0, "max_position_embeddings", "must be > 0")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
 
 
 @dataclass
@@ -73,6 +75,7 @@ class MoEConfig:
         _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
         _check(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
         _check(self.first_k_dense >= 0, "first_k_dense", "must be >= 0")
+        _check(self.dense_intermediate_size > 0, "dense_intermediate_size", "must be > 0")
         _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
         _check(self.router_z_loss_coef >= 0, "router_z_loss_coef", "must be >= 0")
         _check(self.moe_dispatch in ("sorted", "loop"), "moe_dispatch",
@@ -100,8 +103,8 @@ class ChunkingConfig:
     joint_decoding_layers: int = 4  # K: last K decoder layers get W^c projections (capped by L_D)
 
     def validate(self, num_hidden_layers: int, num_experts: int) -> None:
-        if not self.chunking:
-            return
+        # Values are checked even with chunking off (a typo in a plain preset must not wait until
+        # the model is converted); the layer layout only matters when chunking is on.
         _check(self.target_ratio >= 1.0, "target_ratio", f"ratio R must be >= 1, got {self.target_ratio}")
         _check(self.concept_merge in ("last", "sum"), "concept_merge",
                f"must be 'last' or 'sum', got {self.concept_merge!r}")
@@ -119,6 +122,8 @@ class ChunkingConfig:
         for key in ("image_target_ratio", "text_target_ratio"):
             val = getattr(self, key)
             _check(val is None or val >= 1.0, key, f"ratio R must be >= 1, got {val}")
+        if not self.chunking:
+            return
         _check(self.encoder_layers >= 1, "encoder_layers", "must be >= 1 when chunking is on")
         _check(self.decoder_layers >= 1, "decoder_layers", "must be >= 1 when chunking is on")
         n_concept = num_hidden_layers - self.encoder_layers - self.decoder_layers
@@ -138,14 +143,20 @@ class ChunkingConfig:
 _COMPONENTS = {"attention": AttentionConfig, "moe": MoEConfig, "chunking": ChunkingConfig}
 _LM_TOP = {"vocab_size": 2048, "num_hidden_layers": 4, "tie_word_embeddings": False,
            "initializer_range": 0.02, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+_SECTIONS = set(_COMPONENTS) | {"layout"}
 FIELD_OWNER = {f.name: comp for comp, cls in _COMPONENTS.items() for f in fields(cls)}
+# Declared type of every field: (base type name, may be null). Annotations are strings here
+# (``from __future__ import annotations``), e.g. "int", "float | None", "list".
+FIELD_TYPES = {f.name: (str(f.type).split("|")[0].strip(), "None" in str(f.type))
+               for cls in _COMPONENTS.values() for f in fields(cls)}
+FIELD_TYPES.update({name: (type(val).__name__, False) for name, val in _LM_TOP.items() if val is not None})
 
 
 def flatten_sections(raw: dict, known: set[str], prefix: str = "") -> dict:
     """Flatten ``{section: {key: v}}`` into ``{key: v}``; ``chunking.enabled`` -> ``chunking``."""
     flat: dict[str, Any] = {}
     for key, val in raw.items():
-        if isinstance(val, dict) and key in _COMPONENTS | {"layout": None}:
+        if isinstance(val, dict) and key in _SECTIONS:
             for sub, subval in val.items():
                 name = "chunking" if (key == "chunking" and sub == "enabled") else sub
                 _check(name in known, f"{prefix}{key}.{sub}", "unknown config key")
@@ -172,24 +183,29 @@ def apply_overrides(flat: dict, overrides: dict, known: set[str]) -> dict:
             name = "chunking"
         else:
             name = parts[-1]
-        _check(len(parts) <= 2 and name in known, key, "unknown config key")
+        _check(len(parts) <= 2 and name in known and (len(parts) == 1 or parts[0] in _SECTIONS), key,
+               "unknown config key")
         out[name] = val
     return out
 
 
-def _typecheck(name: str, value: Any, default: Any) -> None:
-    if value is None or default is None:
+def _typecheck(name: str, value: Any) -> None:
+    """Check ``value`` against the field's declared type (the default alone said nothing for
+    ``int | None`` fields, and a null slipped through everywhere, failing later with a TypeError)."""
+    kind, nullable = FIELD_TYPES[name]
+    if value is None:
+        _check(nullable, name, "must not be null")
         return
-    if isinstance(default, bool):
+    if kind == "bool":
         _check(isinstance(value, bool), name, f"must be true/false, got {value!r}")
-    elif isinstance(default, int):
+    elif kind == "int":
         _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
-    elif isinstance(default, float):
+    elif kind == "float":
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), name,
                f"must be a number, got {value!r}")
-    elif isinstance(default, str):
+    elif kind == "str":
         _check(isinstance(value, str), name, f"must be a string, got {value!r}")
-    elif isinstance(default, list):
+    elif kind == "list":
         _check(isinstance(value, list), name, f"must be a list, got {value!r}")
 
 
@@ -204,12 +220,12 @@ class ConceptMoEConfig(PretrainedConfig):
             for f in fields(comp_cls):
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 val = kwargs.pop(f.name, default)
-                _typecheck(f.name, val, default)
+                _typecheck(f.name, val)
                 own[f.name] = val
         for name, default in _LM_TOP.items():
             val = kwargs.pop(name, default)
             if name not in ("pad_token_id", "bos_token_id", "eos_token_id"):
-                _typecheck(name, val, default)
+                _typecheck(name, val)
             own[name] = val
         for name, val in own.items():
             if name not in ("pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
@@ -218,6 +234,11 @@ class ConceptMoEConfig(PretrainedConfig):
                          eos_token_id=own["eos_token_id"], tie_word_embeddings=own["tie_word_embeddings"],
                          **kwargs)
         self.validate()
+
+    def _get_generation_parameters(self) -> dict:
+        # ``top_k`` is the MoE's experts per token, not a sampling setting: without this,
+        # transformers mistakes it for a generation parameter and ``save_pretrained`` raises.
+        return {k: v for k, v in super()._get_generation_parameters().items() if k not in self.known_keys()}
 
     # component views --------------------------------------------------------------------------
     def _view(self, cls):

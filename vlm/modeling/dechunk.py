@@ -52,7 +52,11 @@ def ema_scan(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) -> torch.
         x_BMD = F.pad(x_BMD, (0, 0, 0, pad))
         p = F.pad(p, (0, pad), value=1.0)
     nb = x_BMD.shape[1] // Q
-    log_a = torch.log((1.0 - p).clamp(min=1e-12)).view(B, nb, Q)
+    # log(1 - p) with the value clamped (p = 1 would give log 0) but the true gradient kept: a
+    # plain clamp zeroed d/dp at p = 1 exactly, so the scan's gradient differed from the loop's.
+    a = 1.0 - p
+    a = a + (a.clamp(min=1e-12) - a).detach()
+    log_a = torch.log(a).view(B, nb, Q)
     L_BNQQ = torch.exp(_segsum(log_a))
     y = L_BNQQ @ x_BMD.view(B, nb, Q, D)  # within-block recurrence from a zero state
     decay_BNQ = torch.exp(log_a.cumsum(-1))  # from each block's start to position i

@@ -63,6 +63,14 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TransformerBlock"]
     _supports_sdpa = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, trust_pickle: bool = False, **kwargs):
+        """Safetensors only, unless ``trust_pickle=True`` (see ``vlm/safe_loading.py``)."""
+        require_safetensors(pretrained_model_name_or_path, trust_pickle)
+        if not trust_pickle:
+            kwargs["use_safetensors"] = True
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def _initialize_weights(self, module, is_custom_code: bool = False):
         # transformers treats any model outside its package as "custom code" and then skips every
         # module without direct parameters (Attention, ChunkModule), so the zero-init of the joint

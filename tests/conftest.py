@@ -1,0 +1,61 @@
+"""Shared fixtures for the model tests: tiny fp32 models built from the presets, a decisive router."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import vlm  # noqa: E402  (registers the Auto classes)
+from vlm.config import ConceptMoEConfig  # noqa: E402
+from vlm.modeling.hf import ConceptMoEForCausalLM  # noqa: E402
+
+PRESETS = ROOT / "configs" / "model"
+
+# The test models are tiny: intra-op threads only add synchronisation, and on a busy CPU OpenMP
+# spin-waiting made the model tests 10-40x slower. One thread keeps them fast and deterministic.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed_fp32():
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
+    yield
+
+
+def build_model(preset: str = "tiny_concept", seed: int = 0, **overrides) -> ConceptMoEForCausalLM:
+    """A seeded fp32 model from ``configs/model/<preset>.yaml`` (overrides use dotted or flat keys)."""
+    cfg = ConceptMoEConfig.from_yaml(PRESETS / f"{preset}.yaml", **overrides)
+    torch.manual_seed(seed)
+    return ConceptMoEForCausalLM(cfg).float().eval()
+
+
+@torch.no_grad()
+def decisive(model: ConceptMoEForCausalLM, seed: int = 0) -> ConceptMoEForCausalLM:
+    """Set both chunker projections to u u^T (u a random unit vector): cos(q_n, k_{n-1}) = +-1, so
+    every router probability is 0 or 1 and hard boundaries cannot flip between two computations."""
+    gen = torch.Generator().manual_seed(seed)
+    ch = model.model.chunker
+    u = torch.randn(ch.q_proj.weight.shape[1], generator=gen)
+    u = u / u.norm()
+    ch.q_proj.weight.copy_(torch.outer(u, u))
+    ch.k_proj.weight.copy_(torch.outer(u, u))
+    return model
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: ``tiny_model(preset="tiny_concept", seed=0, **overrides)``."""
+    return build_model
+
+
+@pytest.fixture
+def make_decisive():
+    """``make_decisive(model, seed)``: a decisive chunk router (see ``decisive``)."""
+    return decisive

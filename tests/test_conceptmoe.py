@@ -1,0 +1,205 @@
+"""vlm/modeling/conceptmoe.py: causality, packing, joint decoding layout, looping / d_c, and the
+plain-MoE identities (chunking off; conversion with every token a concept)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm.modeling.chunking import IMAGE, TEXT
+from vlm.modeling.conceptmoe import compression_stats, concept_schedule
+
+V = 2048
+
+
+def left_padded(B: int = 2, T: int = 20, pad: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, am
+
+
+def randomise_joint(model, std: float = 0.05):
+    """Joint projections start at zero; give them weights so that the concept path is exercised."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.attn.joint:
+                for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
+                    lin.weight.normal_(0.0, std)
+    return model
+
+
+# causality ----------------------------------------------------------------------------------------
+def _check_causal(model, ids, am, ts, chunked: bool):
+    with torch.no_grad():
+        base = model(ids, attention_mask=am)
+        for t in ts:
+            ids2 = ids.clone()
+            ids2[:, t + 1] = (ids2[:, t + 1] + 1 + t) % (V - 1) + 1
+            out = model(ids2, attention_mask=am)
+            real = am[:, : t + 1].bool()
+            torch.testing.assert_close(out.logits[:, : t + 1][real], base.logits[:, : t + 1][real],
+                                       atol=1e-5, rtol=0, msg=f"logits at <= {t} changed")
+            # the change itself is visible from t + 1 on (the test can fail)
+            assert not torch.allclose(out.logits[:, t + 1:], base.logits[:, t + 1:], atol=1e-4)
+            if chunked:
+                assert torch.equal(out.boundary_mask[:, : t + 1], base.boundary_mask[:, : t + 1]), t
+                torch.testing.assert_close(out.boundary_probs[:, : t + 1], base.boundary_probs[:, : t + 1],
+                                           atol=1e-6, rtol=0)
+
+
+def test_plain_moe_is_causal(tiny_model):
+    ids, am = left_padded()
+    _check_causal(tiny_model("tiny"), ids, am, [6, 9, 13, 18], chunked=False)
+
+
+@pytest.mark.parametrize("merge", ["last", "sum"])
+def test_conceptmoe_is_causal(tiny_model, make_decisive, merge):
+    """Eval mode, decisive router, left padding: changing token t+1 changes no logit, boundary or
+    probability at positions <= t (a "sum" concept is read only once complete)."""
+    model = randomise_joint(make_decisive(tiny_model("tiny_concept", concept_merge=merge), 3))
+    ids, am = left_padded()
+    with torch.no_grad():
+        b = model(ids, attention_mask=am).boundary_mask
+    assert 3 <= int(b[0].sum()) <= 17  # really chunked, not all / nothing
+    _check_causal(model, ids, am, [5, 6, 8, 11, 14, 17, 18], chunked=True)
+
+
+def test_conceptmoe_causal_with_loop_and_concept_width(tiny_model, make_decisive):
+    model = make_decisive(tiny_model("tiny_concept", concept_merge="sum", concept_hidden_size=32,
+                                     concept_loop_layers=[0], concept_loop_times=2), 5)
+    ids, am = left_padded(T=16, pad=3)
+    _check_causal(model, ids, am, [4, 9, 14], chunked=True)
+
+
+# packing ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset, merge", [("tiny", "last"), ("tiny_concept", "last"), ("tiny_concept", "sum")])
+def test_packed_segments_do_not_interact(tiny_model, make_decisive, preset, merge):
+    """Two packed segments in a row: each equals the segment run alone (positions restarting) -
+    no attention, concept, concept-attention or EMA crossing."""
+    model = tiny_model(preset, concept_merge=merge)
+    if model.config.chunking:
+        randomise_joint(make_decisive(model, 3))
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(1, V, (1, 13), generator=g), torch.randint(1, V, (1, 11), generator=g)
+    c, d = torch.randint(1, V, (1, 5), generator=g), torch.randint(1, V, (1, 19), generator=g)
+    ids = torch.cat([torch.cat([a, b], 1), torch.cat([c, d], 1)])
+    seg = torch.tensor([[0] * 13 + [1] * 11, [3] * 5 + [4] * 19])
+    pos = torch.tensor([list(range(13)) + list(range(11)), list(range(5)) + list(range(19))])
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, segment_ids=seg)
+        alone = {k: model(x) for k, x in dict(a=a, b=b, c=c, d=d).items()}
+    parts = {"a": (0, slice(0, 13)), "b": (0, slice(13, 24)), "c": (1, slice(0, 5)), "d": (1, slice(5, 24))}
+    for name, (row, sl) in parts.items():
+        torch.testing.assert_close(packed.logits[row, sl], alone[name].logits[0], atol=1e-5, rtol=0, msg=name)
+        if model.config.chunking:
+            assert torch.equal(packed.boundary_mask[row, sl], alone[name].boundary_mask[0]), name
+    if model.config.chunking:
+        assert int(packed.num_concepts.sum()) == sum(int(o.num_concepts.sum()) for o in alone.values())
+
+
+# layout -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dec, K, want", [(2, 4, [4, 5]), (2, 1, [5]), (2, 0, []), (1, 4, [5])])
+def test_joint_projections_only_in_last_K_decoder_layers(tiny_model, dec, K, want):
+    model = tiny_model("tiny_concept", num_hidden_layers=6, decoder_layers=dec, joint_decoding_layers=K)
+    joint = [i for i, layer in enumerate(model.model.layers) if layer.attn.joint]
+    assert joint == want
+    names = [n for n, _ in model.named_parameters() if "_c_proj" in n]
+    assert len(names) == 3 * len(want)
+    for i in want:
+        for proj in ("q_c_proj", "k_c_proj", "v_c_proj"):
+            w = getattr(model.model.layers[i].attn, proj).weight
+            assert torch.equal(w, torch.zeros_like(w)), (i, proj)  # zero-initialised by the HF init
+
+
+def test_router_init_applied_by_hf_init(tiny_model):
+    ident = tiny_model("tiny_concept", router_init="identity").model.chunker
+    assert torch.equal(ident.q_proj.weight, torch.eye(64)) and torch.equal(ident.k_proj.weight, torch.eye(64))
+    rnd = tiny_model("tiny_concept", router_init="random").model.chunker
+    assert rnd.q_proj.weight.std().item() == pytest.approx(64 ** -0.5, rel=0.1)
+
+
+def test_layer_schedule_and_widths(tiny_model):
+    model = tiny_model("tiny_concept", num_hidden_layers=6, encoder_layers=1, decoder_layers=1,
+                       concept_loop_layers=[0, 2], concept_loop_times=3, concept_hidden_size=32, concept_top_k=4)
+    assert concept_schedule(model.config) == [0, 0, 0, 1, 2, 2, 2, 3]
+    m = model.model
+    assert len(m.encoder) == 1 and len(m.concept_model) == 4 and len(m.decoder) == 1
+    assert all(layer.attn.q_proj.in_features == 32 and layer.ffn.top_k == 4 for layer in m.concept_model)
+    assert all(layer.attn.q_proj.in_features == 64 and layer.ffn.top_k == 2 for layer in (*m.encoder, *m.decoder))
+    assert m.concept_in.weight.shape == (32, 64) and m.concept_out.weight.shape == (64, 32)
+    out = model(torch.randint(1, V, (2, 12)))
+    assert len(out.tokens_per_expert) == 1 + 8 + 1  # a looped layer runs (and is counted) each time
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(concept_loop_layers=[1], concept_loop_times=2),
+    dict(concept_hidden_size=32),
+    dict(concept_hidden_size=96, concept_merge="sum", concept_loop_layers=[0], concept_loop_times=2),
+])
+def test_loop_and_concept_width_forward_backward(tiny_model, overrides):
+    model = tiny_model("tiny_concept", **overrides).train()
+    ids, am = left_padded(T=16, pad=4)
+    out = model(ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
+    assert torch.isfinite(out.loss) and out.ratio_loss > 0
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, missing
+    assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
+    if "concept_hidden_size" in overrides:
+        assert model.model.concept_in.weight.grad.abs().sum() > 0
+
+
+def test_lm_loss_reaches_router_through_ste(tiny_model):
+    model = tiny_model("tiny_concept", ratio_loss_weight=0.0).train()
+    ids = torch.randint(1, V, (2, 16))
+    out = model(ids, labels=ids)
+    out.lm_loss.backward()
+    assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
+
+
+# identities with the plain MoE --------------------------------------------------------------------
+def test_chunking_off_is_exactly_the_plain_moe(tiny_model):
+    plain = tiny_model("tiny", seed=7)
+    off = tiny_model("tiny_concept", seed=7, **{"chunking.enabled": False})
+    assert {k: v.shape for k, v in off.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    ids, am = left_padded()
+    with torch.no_grad():
+        a, b = plain(ids, attention_mask=am), off(ids, attention_mask=am)
+    assert torch.equal(a.logits, b.logits)
+    assert b.boundary_mask is None and b.compression is None and b.ratio_loss.item() == 0.0
+
+
+def test_conversion_identity_every_token_a_concept(tiny_model):
+    """boundary_mode="all" + concept_merge="last" with the plain model's weights (strict=False for
+    the chunker / joint projections, which are zero) reproduces the plain model's logits."""
+    plain = tiny_model("tiny", seed=7)
+    concept = tiny_model("tiny_concept", seed=8, boundary_mode="all", concept_merge="last")
+    res = concept.load_state_dict(plain.state_dict(), strict=False)
+    assert not res.unexpected_keys
+    assert sorted(res.missing_keys) == sorted(
+        ["model.chunker.q_proj.weight", "model.chunker.k_proj.weight"]
+        + [f"model.layers.3.attn.{p}_c_proj.weight" for p in "qkv"])
+    ids, am = left_padded()
+    with torch.no_grad():
+        a, b = plain(ids, attention_mask=am), concept(ids, attention_mask=am)
+    real = am.bool()
+    torch.testing.assert_close(b.logits[real], a.logits[real], atol=1e-5, rtol=0)
+    assert b.compression["ratio"] == 1.0
+    # and a non-trivial chunking does change the model (the identity is not vacuous)
+    concept.model.chunker.cfg.boundary_mode = "fixed"
+    with torch.no_grad():
+        c = concept(ids, attention_mask=am)
+    assert not torch.allclose(c.logits[real], a.logits[real], atol=1e-3)
+
+
+# stats --------------------------------------------------------------------------------------------
+def test_compression_stats():
+    b = torch.tensor([[1, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    mod = torch.tensor([[IMAGE, IMAGE, IMAGE, IMAGE, TEXT, TEXT], [TEXT, TEXT, TEXT, TEXT, TEXT, IMAGE]])
+    s = compression_stats(b, valid, mod)
+    assert s["ratio_per_sample"].tolist() == pytest.approx([3.0, 4 / 3])
+    assert s["ratio"] == pytest.approx(10 / 5)
+    assert s["ratio_image"] == pytest.approx(5 / 3) and s["ratio_text"] == pytest.approx(5 / 2)

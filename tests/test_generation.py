@@ -1,0 +1,205 @@
+"""vlm/modeling/generation.py: cached decoding == repeated full forwards, the concept cache, sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm.modeling.chunking import IMAGE, TEXT
+from vlm.modeling.generation import sample_next
+
+V = 2048
+
+
+def left_padded(B: int = 2, T: int = 12, pad: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, am
+
+
+def randomise_joint(model, std: float = 0.05):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.attn.joint:
+                for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
+                    lin.weight.normal_(0.0, std)
+    return model
+
+
+@torch.no_grad()
+def greedy_by_full_forwards(model, ids, am, n, modality=None):
+    for _ in range(n):
+        kw = {} if modality is None else {"modality_ids": modality}
+        nxt = model(ids, attention_mask=am, **kw).logits[:, -1].argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+        if modality is not None:
+            modality = torch.cat([modality, torch.full_like(modality[:, :1], TEXT)], 1)
+    return ids, am, modality
+
+
+@torch.no_grad()
+def cached_run(model, ids, am, tokens, modality=None):
+    """Prefill ``ids`` and feed ``tokens`` [B, n] one by one. Returns the state, the logits after
+    each step and the decode path's boundary mask over ids + tokens (from the concept-cache growth:
+    a row's first concept layer cache grows by one exactly when a boundary fires)."""
+    B, T = ids.shape
+    state = model.start_decoding(B, T + tokens.shape[1] + 1)
+    logits = [model.prefill(state, ids, attention_mask=am, modality_ids=modality)]
+    bounds = []
+    if model.config.chunking:
+        bounds.append(model._last_prefill.boundary_BT)
+        count = state.concept_caches[0].num_entries().clone()
+    for t in range(tokens.shape[1]):
+        logits.append(model.step(state, tokens[:, t]))
+        if model.config.chunking:
+            new = state.concept_caches[0].num_entries()
+            assert bool(((new - count) <= 1).all())
+            bounds.append((new > count)[:, None])
+            count = new.clone()
+    return state, torch.stack(logits, 1), (torch.cat(bounds, 1) if bounds else None)
+
+
+CASES = [
+    ("tiny", {}),
+    ("tiny_concept", dict(concept_merge="last")),
+    ("tiny_concept", dict(concept_merge="sum")),
+    ("tiny_concept", dict(concept_merge="last", concept_loop_layers=[0], concept_loop_times=2,
+                          concept_hidden_size=32)),
+    ("tiny_concept", dict(concept_merge="sum", concept_loop_layers=[1], concept_loop_times=2,
+                          concept_hidden_size=96)),
+    ("tiny_concept", dict(concept_merge="sum", boundary_mode="fixed", num_hidden_layers=6, decoder_layers=2,
+                          joint_decoding_layers=4)),
+]
+
+
+@pytest.mark.parametrize("preset, overrides", CASES, ids=[f"{p}-{o}" for p, o in CASES])
+def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset, overrides):
+    """Batch 2, left padding, fp32: generate(do_sample=False) == argmax of repeated full forwards.
+    For ConceptMoE the decode path's boundaries are checked first (decisive router), and each
+    concept layer's cache holds one entry per concept ("sum": per completed concept)."""
+    model = tiny_model(preset, **overrides)
+    if model.config.chunking:
+        randomise_joint(make_decisive(model, 3))
+    ids, am = left_padded()
+    new = 32
+    ref_ids, ref_am, _ = greedy_by_full_forwards(model, ids, am, new)
+    with torch.no_grad():
+        full = model(ref_ids, attention_mask=ref_am)
+    state, step_logits, bounds = cached_run(model, ids, am, ref_ids[:, ids.shape[1]:])
+    if model.config.chunking:
+        assert torch.equal(bounds, full.boundary_mask), "decode path and full forward chunk differently"
+        sub = 1 if model.config.concept_merge == "sum" else 0
+        for cache in state.concept_caches:
+            assert torch.equal(cache.num_entries(), full.num_concepts - sub)
+        assert len(state.concept_caches) == len(model.model.schedule)
+        assert 0 < int(full.num_concepts.min()) < int(ref_am.sum(1).min())  # real compression
+    # logits of the cached path = the full forward's logits at the same positions
+    T = ids.shape[1]
+    torch.testing.assert_close(step_logits, full.logits[:, T - 1:], atol=1e-4, rtol=1e-4)
+    out = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    assert out.shape == (2, T + new)
+    assert torch.equal(out, ref_ids)
+    assert not model.training
+
+
+def test_split_at_switch_decoding(tiny_model, make_decisive):
+    """A prompt ending on image tokens: the first generated (text) token is forced to a boundary on
+    both paths."""
+    model = make_decisive(tiny_model("tiny_concept", modality_policy="split_at_switch"), 3)
+    ids, am = left_padded()
+    mod = torch.full_like(ids, TEXT)
+    mod[:, 6:] = IMAGE
+    ref_ids, ref_am, ref_mod = greedy_by_full_forwards(model, ids, am, 8, modality=mod)
+    with torch.no_grad():
+        full = model(ref_ids, attention_mask=ref_am, modality_ids=ref_mod)
+    assert bool(full.boundary_mask[:, 12].all())
+    _, _, bounds = cached_run(model, ids, am, ref_ids[:, 12:], modality=mod)
+    assert torch.equal(bounds, full.boundary_mask)
+    out = model.generate(ids, attention_mask=am, max_new_tokens=8, modality_ids=mod)
+    assert torch.equal(out, ref_ids)
+
+
+def test_sampling_reproducible(tiny_model, make_decisive):
+    model = make_decisive(tiny_model("tiny_concept"), 3)
+    ids, am = left_padded()
+
+    def run(seed, **kw):
+        return model.generate(ids, attention_mask=am, max_new_tokens=16, do_sample=True,
+                              generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b = run(0, temperature=0.8, top_p=0.9), run(0, temperature=0.8, top_p=0.9)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, run(1, temperature=0.8, top_p=0.9))
+    greedy = model.generate(ids, attention_mask=am, max_new_tokens=16)
+    assert not torch.equal(a, greedy)
+    assert torch.equal(run(5, top_k=1), greedy)
+    assert torch.equal(run(6, top_p=1e-6), greedy)
+    assert torch.equal(run(7, temperature=0.0), greedy)
+
+
+def test_sample_next_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    g = torch.Generator().manual_seed(0)
+    top_p = sample_next(logits, True, 1.0, 0.7, 0, g)
+    assert set(top_p.tolist()) == {0, 1}  # smallest set with mass >= 0.7
+    top_k = sample_next(logits, True, 1.0, 1.0, 3, g)
+    assert set(top_k.tolist()) == {0, 1, 2}
+    free = sample_next(logits, True, 1.0, 1.0, 0, g)
+    assert (free == 0).float().mean().item() == pytest.approx(0.5, abs=0.04)
+    assert sample_next(logits[:1], False, 1.0, 1.0, 0).tolist() == [0]
+
+
+def test_eos_stops_and_pads(tiny_model):
+    model = tiny_model("tiny")
+    ids, am = left_padded()
+    greedy = model.generate(ids, attention_mask=am, max_new_tokens=10)
+    T = ids.shape[1]
+    eos = int(greedy[0, T + 2])
+    first = [next(i for i in range(T, T + 10) if greedy[r, i] == eos) if (greedy[r, T:] == eos).any() else None
+             for r in range(2)]
+    out = model.generate(ids, attention_mask=am, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    assert out[0, first[0]] == eos and bool((out[0, first[0] + 1:] == 0).all())
+    assert torch.equal(out[0, : first[0] + 1], greedy[0, : first[0] + 1])
+    if first[1] is None:
+        assert out.shape[1] == T + 10 and torch.equal(out[1], greedy[1])
+    # a single (unpadded) row stops as soon as it emits eos
+    one = model.generate(ids[:1], max_new_tokens=10, eos_token_id=eos)
+    assert one.shape[1] == first[0] + 1 and int(one[0, -1]) == eos
+
+
+def test_right_padding_refused(tiny_model):
+    model = tiny_model("tiny")
+    ids, am = left_padded()
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(ids, attention_mask=am.flip(1), max_new_tokens=2)
+
+
+def test_concept_kv_cache_512_tokens(tiny_model, make_decisive):
+    """512 greedy tokens, batch 1, decisive router: the concept caches hold exactly one entry per
+    concept of a full forward over the whole sequence; the printed numbers are reported."""
+    model = make_decisive(tiny_model("tiny_concept", concept_merge="last"), 3)
+    prompt = torch.randint(1, V, (1, 16), generator=torch.Generator().manual_seed(0))
+    n = 512
+    state = model.start_decoding(1, 16 + n + 1)
+    seq = [prompt]
+    with torch.no_grad():
+        logits = model.prefill(state, prompt)
+        for _ in range(n):
+            nxt = logits.argmax(-1)
+            seq.append(nxt[:, None])
+            logits = model.step(state, nxt)
+        seq = torch.cat(seq, 1)
+        full = model(seq)
+    tokens = int(state.token_caches[0].num_entries()[0])
+    concepts = [int(c.num_entries()[0]) for c in state.concept_caches]
+    tok_bytes = sum(c.nbytes() for c in state.token_caches) // len(state.token_caches)
+    con_bytes = sum(c.nbytes() for c in state.concept_caches) // len(state.concept_caches)
+    print(f"\n[generation] 512-token greedy generation (16-token prompt), decisive router: concept KV "
+          f"entries per concept layer {concepts[0]} vs {tokens} tokens per token layer "
+          f"(ratio {tokens / concepts[0]:.2f}; {con_bytes} vs {tok_bytes} bytes per layer)")
+    assert tokens == 16 + n
+    assert concepts == [int(full.num_concepts[0])] * len(state.concept_caches)
+    assert concepts[0] < tokens

@@ -1,0 +1,109 @@
+"""vlm/modeling/hf.py: save/load through the Auto classes (safetensors only), losses, outputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import vlm  # noqa: F401  (registers the Auto classes)
+from vlm.config import ConceptMoEConfig
+from vlm.modeling.hf import ConceptMoEForCausalLM, lm_loss_fn
+
+from conftest import PRESETS
+
+V = 2048
+
+
+def _randomise_extras(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.attn.joint:
+                for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
+                    lin.weight.normal_(0.0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("preset, overrides", [("tiny", {}), ("tiny_concept", {}),
+                                               ("tiny_concept", dict(concept_merge="sum", concept_hidden_size=32,
+                                                                     tie_word_embeddings=True))])
+def test_save_and_auto_load_identical(tmp_path, tiny_model, make_decisive, preset, overrides):
+    model = tiny_model(preset, **overrides)
+    if model.config.chunking:
+        _randomise_extras(make_decisive(model, 4))
+    model.save_pretrained(tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "model.safetensors" in files and "config.json" in files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))], files
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), ConceptMoEConfig)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, ConceptMoEForCausalLM)
+    sd, sd2 = model.state_dict(), loaded.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:  # nothing re-initialised on load (router, joint projections, experts)
+        assert torch.equal(sd[k], sd2[k]), k
+    ids = torch.randint(1, V, (2, 14))
+    am = torch.ones_like(ids)
+    am[0, :5] = 0
+    with torch.no_grad():
+        a, b = model(ids, attention_mask=am), loaded(ids, attention_mask=am)
+    assert torch.equal(a.logits, b.logits)
+    if model.config.chunking:
+        assert torch.equal(a.boundary_mask, b.boundary_mask)
+    assert loaded.generation_config.top_k is None  # config.top_k is the MoE's, not a sampling knob
+
+
+def test_load_plain_checkpoint_as_conceptmoe(tmp_path, tiny_model):
+    """A plain MoE checkpoint loads into a ConceptMoE config: the missing chunker gets its identity
+    init and the joint projections zeros, so with every token a concept the logits are unchanged."""
+    plain = tiny_model("tiny", seed=3)
+    plain.save_pretrained(tmp_path)
+    cfg = ConceptMoEConfig.from_yaml(PRESETS / "tiny_concept.yaml", boundary_mode="all")
+    concept = AutoModelForCausalLM.from_pretrained(tmp_path, config=cfg).eval()
+    assert torch.equal(concept.model.chunker.q_proj.weight, torch.eye(64))
+    for proj in ("q_c_proj", "k_c_proj", "v_c_proj"):
+        w = getattr(concept.model.layers[3].attn, proj).weight
+        assert torch.equal(w, torch.zeros_like(w)), proj
+    ids = torch.randint(1, V, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(concept(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_lm_loss_shift_and_ignore():
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[1, :3] = -100
+    keep = labels[:, 1:] != -100
+    ref = F.cross_entropy(logits[:, :-1][keep], labels[:, 1:][keep])
+    torch.testing.assert_close(lm_loss_fn(logits, labels), ref)
+    assert lm_loss_fn(logits, torch.full_like(labels, -100)).item() == 0.0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_concept"])
+def test_total_loss_composition(tiny_model, preset):
+    model = tiny_model(preset, router_aux_loss_coef=0.1, router_z_loss_coef=0.01, ratio_loss_weight=0.5).train()
+    ids = torch.randint(1, V, (2, 12))
+    out = model(ids, labels=ids)
+    want = out.lm_loss + 0.1 * out.lb_loss + 0.01 * out.z_loss
+    if model.config.chunking:
+        assert out.ratio_loss > 0 and out.compression["ratio"] >= 1.0
+        want = want + 0.5 * out.ratio_loss
+    else:
+        assert out.ratio_loss.item() == 0.0 and out.compression is None and out.boundary_mask is None
+    torch.testing.assert_close(out.loss, want)
+    assert out.lb_loss > 0 and out.z_loss > 0
+    assert len(out.tokens_per_expert) == 4 and int(out.tokens_per_expert[0].sum()) == 2 * 12 * 2
+    assert model(ids).loss is None
+
+
+def test_concept_outputs(tiny_model):
+    model = tiny_model("tiny_concept").eval()
+    ids = torch.randint(1, V, (2, 12))
+    am = torch.ones_like(ids)
+    am[1, :4] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=am)
+    assert out.logits.shape == (2, 12, V)
+    assert out.boundary_mask.shape == (2, 12) and out.boundary_mask.dtype == torch.bool
+    assert torch.equal(out.num_concepts, out.boundary_mask.sum(1))
+    assert out.compression["ratio"] == pytest.approx(20 / float(out.num_concepts.sum()))
