@@ -153,3 +153,12 @@ def test_hf_roundtrip(tmp_path):
     back = ConceptMoEConfig.from_pretrained(tmp_path)
     for name in FIELD_TYPES:
         assert getattr(back, name) == getattr(cfg, name), name
+
+
+@pytest.mark.parametrize("over, key", [({"hidden_size": 60, "num_attention_heads": 4}, "hidden_size"),
+                                       ({"head_dim": 15}, "head_dim"),
+                                       ({"chunking.enabled": True, "concept_hidden_size": 100}, "concept_hidden_size")])
+def test_odd_head_dimension_is_a_clear_error(over, key):
+    with pytest.raises(ConfigError) as err:
+        ConceptMoEConfig.from_yaml(PRESETS / "tiny_concept.yaml", **over)
+    assert key in str(err.value) and "even" in str(err.value) and "\n" not in str(err.value)

@@ -50,6 +50,9 @@ class AttentionConfig:
                "num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads="
                f"{self.num_attention_heads}")
         _check(self.head_dim is None or self.head_dim > 0, "head_dim", "must be > 0")
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        _check(head_dim % 2 == 0, "head_dim" if self.head_dim else "hidden_size",
+               f"RoPE needs an even head dimension, got {head_dim}")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(self.max_position_embeddings > 0, "max_position_embeddings", "must be > 0")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
@@ -276,6 +279,9 @@ class ConceptMoEConfig(PretrainedConfig):
         if self.chunking and self.concept_hidden_size:
             _check(self.concept_hidden_size % self.num_attention_heads == 0, "concept_hidden_size",
                    f"{self.concept_hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
+            c_head = self.head_dim or self.concept_hidden_size // self.num_attention_heads
+            _check(c_head % 2 == 0, "concept_hidden_size",
+                   f"RoPE needs an even head dimension, got {c_head} in the concept layers")
 
     # YAML ---------------------------------------------------------------------------------------
     @classmethod
