@@ -48,12 +48,15 @@ def _grouped_swiglu(x_ND: torch.Tensor, counts: list[int], w_gate_EDI, w_up_EDI,
         offs = torch.tensor(counts, device=x_ND.device).cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x_ND, w_gate_EDI, offs=offs)) * torch._grouped_mm(x_ND, w_up_EDI, offs=offs)
         return torch._grouped_mm(h, w_down_EID, offs=offs)
+    # unbind, not w[e]: the backward of indexing allocates a zero [E, ...] gradient per expert,
+    # unbind's is one stack (3x faster CPU training steps, identical results)
     outs = []
-    for e, x_e in enumerate(torch.split(x_ND, counts)):
+    for x_e, wg, wu, wd in zip(torch.split(x_ND, counts), w_gate_EDI.unbind(0), w_up_EDI.unbind(0),
+                               w_down_EID.unbind(0)):
         if x_e.shape[0] == 0:
             continue
-        h = F.silu(x_e @ w_gate_EDI[e]) * (x_e @ w_up_EDI[e])
-        outs.append(h @ w_down_EID[e])
+        h = F.silu(x_e @ wg) * (x_e @ wu)
+        outs.append(h @ wd)
     return torch.cat(outs) if outs else x_ND.new_zeros(0, w_down_EID.shape[-1])
 
 

@@ -1,0 +1,314 @@
+"""Decode: per-token latency at long KV lengths, ConceptMoE vs matched MoE, plus KV-cache bytes.
+
+For each batch size and KV length N, both models hold a KV cache of N tokens (the ConceptMoE's
+concept layers hold N / R concepts) and then generate; one measurement is ``--steps`` consecutive
+decode steps (a multiple of round(R), so that concept-model steps, which only run when a concept
+completes, are counted at their true rate), and the per-token latency is its time / steps.
+Both models are timed in the same run, interleaved. ConceptMoE uses ``boundary_mode="fixed"``
+(a boundary every round(R) tokens; with a learned router at ratio R the compute is the same; with
+fixed boundaries every row of a batch completes its concepts on the same step, the best case for
+batching).
+
+How the caches get to length N (``--fill``):
+- ``prefill`` (default on CUDA): a real prefill of N random tokens (``model.prefill``).
+- ``synthetic`` (default on CPU, where a 16K x batch-8 prefill alone would take minutes): the
+  preallocated caches are filled with random keys/values up to N (token layers) and
+  ceil(N / round(R)) (concept layers), exactly the entry counts a fixed-boundary prefill leaves,
+  and the decode state (position, router key, EMA) is set as ``after_prefill`` sets it. The cost of
+  a decode step depends on the cache lengths, not on the cached values.
+
+KV-cache bytes are always measured after a REAL prefill (``KVCache.nbytes()``: the valid entries
+actually held), per layer group (encoder / concept / decoder; the plain MoE's layers are all
+"encoder" layers in the accountant's terms), next to ``vlm.flops.kv_bytes_per_token`` x N. The
+bytes of the preallocated buffers (capacity slots) are reported too.
+
+    python -m benchmarks.decode [--device cuda --dtype bfloat16] [--sizes 1K,8K] [--batches 1,8] [--smoke]
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from benchmarks import harness as H
+
+NAME = "decode"
+PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
+           "gpu": [1024, 2048, 4096, 8192, 16384, 32768]}
+REPS = {"smoke": 1, "cpu": 7, "gpu": 5}
+BYTES_LEN = {"smoke": 128, "cpu": 2048}  # real-prefill length for the KV-bytes table on CPU (synthetic fill)
+
+
+def synthetic_fill(model, state, batch: int, N: int, seed: int = 0) -> None:
+    """Give ``state`` the cache lengths and decode fields a fixed-boundary prefill of N tokens leaves."""
+    cfg = model.config
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    p = next(model.parameters())
+
+    def fill(cache, n):
+        for buf in (cache.k, cache.v):
+            buf[:, :, :n].copy_(torch.randn(buf[:, :, :n].shape, generator=g).to(buf.dtype) * 0.5)
+        cache.valid_BC[:, :n] = True
+        cache.len_B.fill_(n)
+    for c in state.token_caches:
+        fill(c, N)
+    state.next_pos_B = torch.full((batch,), N, dtype=torch.long, device=p.device)
+    if cfg.chunking:
+        if cfg.boundary_mode != "fixed":
+            raise ValueError("synthetic fill models fixed boundaries (boundary_mode='fixed')")
+        M = math.ceil(N / max(1, int(round(cfg.target_ratio))))
+        for c in state.concept_caches:
+            fill(c, M)
+        d = cfg.hidden_size
+        state.prev_k_BD = torch.randn(batch, d, generator=g).to(p.device)  # query_key is fp32
+        state.ema_BD = (torch.randn(batch, d, generator=g) * 0.02).to(p.device, p.dtype)
+        state.has_ema_B = torch.ones(batch, dtype=torch.bool, device=p.device)
+        state.prev_modality_B = None
+
+
+def real_fill(model, state, ids) -> None:
+    model.prefill(state, ids)
+
+
+def cache_bytes(model, state) -> dict:
+    """nbytes() of the valid entries per layer group, entries per layer, and allocated bytes."""
+    inner = model.model
+    n_enc = inner.n_enc
+    tok = state.token_caches
+    groups = {"encoder": tok[:n_enc], "concept": list(state.concept_caches), "decoder": tok[n_enc:]}
+    out = {}
+    for name, caches in groups.items():
+        out[name] = {"layers": len(caches), "bytes": sum(c.nbytes() for c in caches),
+                     "entries_per_layer": [int(c.num_entries().max()) if len(caches) else 0 for c in caches],
+                     "allocated_bytes": sum(c.k.nbytes + c.v.nbytes for c in caches)}
+    out["total_bytes"] = sum(v["bytes"] for v in out.values() if isinstance(v, dict))
+    out["total_allocated_bytes"] = sum(v["allocated_bytes"] for k, v in out.items() if isinstance(v, dict))
+    return out
+
+
+def measure_kv_bytes(base, con, base_cfg, con_cfg, N: int, device, dtype) -> dict:
+    """Real prefill of N tokens (batch 1) into fresh caches; bytes per group vs the accountant."""
+    from vlm.flops import kv_bytes_per_token
+    ids = H.random_ids(1, N, base_cfg.vocab_size, device, seed=N)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    res = {"seq_len": N, "batch": 1, "dtype_bytes": dtype_bytes}
+    with torch.inference_mode():
+        for tag, model, cfg in (("moe", base, base_cfg), ("concept", con, con_cfg)):
+            state = model.start_decoding(1, N + 8)
+            real_fill(model, state, ids)
+            measured = cache_bytes(model, state)
+            ratio = None
+            if cfg.chunking:
+                out = model._last_prefill
+                ratio = N / float(out.num_concepts_B.float().mean())
+            formula = kv_bytes_per_token(cfg, ratio=ratio, dtype_bytes=dtype_bytes)
+            res[tag] = {"measured": measured, "formula_bytes": {k: v * N for k, v in formula.items()},
+                        "achieved_ratio": ratio}
+            del state
+    b, c = res["moe"]["measured"], res["concept"]["measured"]
+    per_layer_base = b["encoder"]["bytes"] / max(b["encoder"]["layers"], 1)
+    per_concept_layer = c["concept"]["bytes"] / max(c["concept"]["layers"], 1)
+    R = res["concept"]["achieved_ratio"]
+    res["concept_layer_over_baseline_layer"] = per_concept_layer / per_layer_base
+    res["target_1_over_R"] = 1 / R
+    res["concept_layer_rel_error_vs_1_over_R"] = per_concept_layer / per_layer_base * R - 1
+    res["total_ratio"] = c["total_bytes"] / b["total_bytes"]
+    res["allocated_total_ratio"] = c["total_allocated_bytes"] / b["total_allocated_bytes"]
+    for tag in ("moe", "concept"):
+        m, f = res[tag]["measured"], res[tag]["formula_bytes"]
+        res[tag]["measured_over_formula"] = {g: (m[g]["bytes"] / f[g] if f[g] else None)
+                                             for g in ("encoder", "concept", "decoder")}
+        res[tag]["measured_over_formula"]["total"] = m["total_bytes"] / f["total"]
+    return res
+
+
+def predicted(base_cfg, con_cfg, N: int, dtype_bytes: int) -> dict:
+    """Accountant: FLOPs/token (a new token attends all N keys: the full-map count is exact here) and a
+    batch-1 memory-traffic model (activated weights + the KV cache read per token)."""
+    from vlm.flops import count_params, flops_per_token, kv_bytes_per_token
+    fb, fc = flops_per_token(base_cfg, N)["total"], flops_per_token(con_cfg, N)["total"]
+    def traffic(cfg):
+        kv = kv_bytes_per_token(cfg, None, dtype_bytes)["total"] * N
+        return count_params(cfg)["activated"] * dtype_bytes + kv
+    mb, mc = traffic(base_cfg), traffic(con_cfg)
+    return {"flops": fb / fc - 1, "bytes_batch1": mb / mc - 1}
+
+
+def run(argv=None) -> dict:
+    ap = H.base_parser(NAME, __doc__.split("\n")[0], "KV lengths, e.g. 1K,4K,16K")
+    H.add_pair_args(ap)
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8; smoke 1,2)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="decode steps per measurement (a multiple of round(R); default 8 CPU, 16 CUDA)")
+    ap.add_argument("--fill", choices=("auto", "prefill", "synthetic"), default="auto")
+    args = ap.parse_args(argv)
+    s = H.setup(NAME, args, PRESETS, REPS)
+    log = H.logger(s)
+    pair = args.pair or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
+    base_cfg, con_cfg, pair_info = H.load_pair(pair, args.ratio, args.strategy, seq_len=8192)
+    every = max(1, int(round(con_cfg.target_ratio)))
+    steps = args.steps or (16 if s.is_cuda else (2 if s.smoke else 8))
+    steps = max(every, steps // every * every)
+    batches = [int(b) for b in (args.batches or ("1,2" if s.preset == "smoke" else "1,8")).split(",")]
+    fill_mode = args.fill if args.fill != "auto" else ("prefill" if s.is_cuda else "synthetic")
+    dtype_bytes = torch.empty((), dtype=s.dtype).element_size()
+    log(f"baseline: {pair_info['baseline']}")
+    log(f"concept:  {pair_info['concept']}")
+    log(f"fill={fill_mode}, {steps} steps per measurement, batches {batches}")
+    base = H.build_model(base_cfg, s.device, s.dtype, seed=s.seed)
+    con = H.build_model(con_cfg, s.device, s.dtype, seed=s.seed)
+    models = {"moe": base, "concept": con}
+
+    # KV-cache bytes from real caches ------------------------------------------------------------
+    bytes_lens = s.sizes if fill_mode == "prefill" else [BYTES_LEN.get(s.preset, min(s.sizes))]
+    kv = []
+    for N in bytes_lens:
+        try:
+            kv.append(measure_kv_bytes(base, con, base_cfg, con_cfg, N, s.device, s.dtype))
+        except (torch.OutOfMemoryError, MemoryError) as err:
+            kv.append({"seq_len": N, "skipped": f"out of memory: {str(err).splitlines()[0][:200]}"})
+        H.free_memory(s.device)
+    log(f"KV bytes measured at {bytes_lens}")
+
+    results, rows = [], []
+
+    def report():
+        lat_table = H.md_table(["batch", "KV length", "MoE per step", "ConceptMoE per step", "speedup",
+                                "predicted (FLOPs)", "predicted (bytes, B=1)", "tokens/s MoE / ConceptMoE"], rows)
+        kv_rows = []
+        for r in kv:
+            if "skipped" in r:
+                kv_rows.append([f"{r['seq_len']:,}", "skipped: " + r["skipped"]] + [""] * 6)
+                continue
+            b, c = r["moe"], r["concept"]
+            for tag, d in (("MoE", b), ("ConceptMoE", c)):
+                m, f = d["measured"], d["formula_bytes"]
+                cells = []
+                for g in ("encoder", "concept", "decoder"):
+                    if m[g]["layers"]:
+                        cells.append(f"{H.fmt_num(m[g]['bytes'], 'B')} ({m[g]['layers']} L x "
+                                     f"{m[g]['entries_per_layer'][0]:,}) / {H.fmt_num(f[g], 'B')}")
+                    else:
+                        cells.append("-")
+                kv_rows.append([f"{r['seq_len']:,}", tag, *cells,
+                                f"{H.fmt_num(m['total_bytes'], 'B')} / {H.fmt_num(f['total'], 'B')}",
+                                H.fmt_num(m["total_allocated_bytes"], "B")])
+            kv_rows.append([f"{r['seq_len']:,}", "ratio", "", f"concept layer / MoE layer = "
+                            f"{r['concept_layer_over_baseline_layer']:.4f} (1/R = {r['target_1_over_R']:.4f}, "
+                            f"{H.fmt_pct(r['concept_layer_rel_error_vs_1_over_R'], 2)})", "",
+                            f"{r['total_ratio']:.3f}", f"{r['allocated_total_ratio']:.3f}"])
+        kv_table = H.md_table(["KV length", "model", "encoder layers: measured / formula",
+                               "concept layers: measured / formula", "decoder layers: measured / formula",
+                               "total held: measured / formula", "allocated (capacity)"], kv_rows)
+        md = (f"## Decode latency per token: ConceptMoE vs matched MoE\n\n{H.settings_line(s)}\n\n"
+              f"- MoE: {pair_info['baseline']}\n- ConceptMoE: {pair_info['concept']}; boundary_mode=fixed (a concept "
+              f"every {every} tokens, achieved R exactly {con_cfg.target_ratio:g}; same compute as a learned router "
+              "at that R)\n"
+              f"- one measurement = {steps} consecutive decode steps (concept model runs on 1 step in {every}); "
+              f"latency = per step (a step emits `batch` tokens); caches filled by: {fill_mode}"
+              + (" (random K/V at the exact entry counts of a fixed-boundary prefill; see decode.py)"
+                 if fill_mode == "synthetic" else "")
+              + "\n- speedup = t_MoE / t_ConceptMoE - 1 (median of per-round ratios [IQR]); predicted (FLOPs) = "
+              "accountant forward FLOPs/token at KV length N; predicted (bytes) = activated weights + KV read per "
+              "token (batch 1)\n\n"
+              + lat_table + "\n\n### KV-cache bytes (real prefill, batch 1; `KVCache.nbytes()` of the held entries vs "
+              f"`vlm.flops.kv_bytes_per_token` x N; {dtype_bytes}-byte elements)\n\n" + kv_table + "\n\n"
+              "'allocated' = the preallocated k/v buffers (capacity = prompt + new tokens for EVERY cache: "
+              "`DecodeState.allocate` gives the concept caches the token capacity, so the held bytes shrink by R in "
+              "concept layers but the allocation does not).\n")
+        return {"pair": pair_info, "fill": fill_mode, "steps_per_measurement": steps, "batches": batches,
+                "results": results, "kv_bytes": kv}, md
+
+    # latency -----------------------------------------------------------------------------------
+    for B in batches:
+        for N in s.sizes:
+            cap = N + steps * (s.warmup + s.reps) + every + 2
+            try:
+                states = {}
+                with torch.inference_mode():
+                    for tag, m in models.items():
+                        states[tag] = m.start_decoding(B, cap)
+                        if fill_mode == "prefill":
+                            real_fill(m, states[tag], H.random_ids(B, N, base_cfg.vocab_size, s.device, seed=N + B))
+                        else:
+                            synthetic_fill(m, states[tag], B, N, seed=N + B)
+                tok = H.random_ids(B, 1, base_cfg.vocab_size, s.device, seed=7)[:, 0]
+
+                def make(tag):
+                    m, st = models[tag], states[tag]
+
+                    def fn():
+                        for _ in range(steps):
+                            m.step(st, tok)
+                    return fn
+                with torch.inference_mode():
+                    comp = H.interleaved({t: make(t) for t in models}, s.device, s.reps, s.warmup)
+            except (torch.OutOfMemoryError, MemoryError) as err:
+                log(f"B={B} N={N}: out of memory; skipping the larger lengths")
+                results.append({"batch": B, "kv_len": N, "skipped": f"out of memory: {str(err).splitlines()[0][:200]}"})
+                H.free_memory(s.device)
+                break
+            concept_entries = [int(c.num_entries().max()) for c in states["concept"].concept_caches]
+            sp = comp.speedup("moe", "concept")
+            pred = predicted(base_cfg, con_cfg, N, dtype_bytes)
+            per_tok = {t: comp.stats(t, 1.0 / steps) for t in models}
+            res = {"batch": B, "kv_len": N, "steps_per_measurement": steps, "moe_s_per_step": per_tok["moe"],
+                   "concept_s_per_step": per_tok["concept"], "speedup": sp, "predicted_speedup_flops": pred["flops"],
+                   "predicted_speedup_bytes_batch1": pred["bytes_batch1"],
+                   "measured_over_predicted_flops": (sp["median_of_ratios"] / pred["flops"]
+                                                     if pred["flops"] > 0 else None),
+                   "moe_tokens_per_s": B / per_tok["moe"]["median"],
+                   "concept_tokens_per_s": B / per_tok["concept"]["median"],
+                   "concept_cache_entries_after": concept_entries, "fill": fill_mode, "raw_times": comp.times}
+            results.append(res)
+            m, c = per_tok["moe"], per_tok["concept"]
+            rows.append([B, f"{N:,}", f"{H.fmt_time(m['median'])} [{H.fmt_time(m['q1'])}-{H.fmt_time(m['q3'])}]",
+                         f"{H.fmt_time(c['median'])} [{H.fmt_time(c['q1'])}-{H.fmt_time(c['q3'])}]",
+                         f"**{H.fmt_pct(sp['median_of_ratios'])}** [{H.fmt_pct(sp['ratio_q1'])}, "
+                         f"{H.fmt_pct(sp['ratio_q3'])}]", H.fmt_pct(pred["flops"]),
+                         H.fmt_pct(pred["bytes_batch1"]) if B == 1 else "",
+                         f"{res['moe_tokens_per_s']:.1f} / {res['concept_tokens_per_s']:.1f}"])
+            log(f"B={B} N={N}: {H.fmt_time(m['median'])} vs {H.fmt_time(c['median'])} per step, speedup "
+                f"{H.fmt_pct(sp['median_of_ratios'])} (predicted FLOPs {H.fmt_pct(pred['flops'])})")
+            states = None
+            H.free_memory(s.device)
+            H.write_results(s, *report(), partial=True)
+
+    def plot(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        ok = [r for r in results if "skipped" not in r]
+        for B in batches:
+            rs = [r for r in ok if r["batch"] == B]
+            if not rs:
+                continue
+            xs = [r["kv_len"] for r in rs]
+            for key, style, label in (("moe_s_per_step", "o-", "MoE"), ("concept_s_per_step", "s--", "ConceptMoE")):
+                axes[0].plot(xs, [1e3 * r[key]["median"] for r in rs], style, label=f"{label} B={B}")
+            axes[1].plot(xs, [100 * r["speedup"]["median_of_ratios"] for r in rs], "o-", label=f"measured B={B}")
+            axes[1].fill_between(xs, [100 * r["speedup"]["ratio_q1"] for r in rs],
+                                 [100 * r["speedup"]["ratio_q3"] for r in rs], alpha=0.15)
+        if ok:
+            xs = sorted({r["kv_len"] for r in ok})
+            axes[1].plot(xs, [100 * predicted(base_cfg, con_cfg, N, dtype_bytes)["flops"] for N in xs], "k:",
+                         label="predicted (FLOPs)")
+        axes[0].set(xscale="log", yscale="log", xlabel="KV length", ylabel="ms per decode step",
+                    title=f"decode latency ({s.device.type}, {str(s.dtype).replace('torch.', '')})")
+        axes[1].set(xscale="log", xlabel="KV length", ylabel="speedup %", title="ConceptMoE decode speedup")
+        axes[1].axhline(0, color="gray", lw=0.5)
+        for ax in axes:
+            ax.legend(fontsize=8)
+        return fig
+
+    payload = H.write_results(s, *report(), plot)
+    log(f"wrote {s.out / s.name}.json/.md/.png")
+    return payload
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

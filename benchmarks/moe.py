@@ -1,0 +1,306 @@
+"""MoE layer: our ``MoEFeedForward`` vs transformers' own MoE block, and vs the matmul peak.
+
+Same shape, same weights, same tokens, same routing (softmax top-k, renormalised): our layer with
+``moe_dispatch="sorted"`` (the fast path) and ``"loop"`` (the per-expert reference), and
+transformers' ``Qwen3MoeSparseMoeBlock`` (installed transformers, random weights copied from ours)
+with each experts implementation of ``transformers.integrations.moe`` that is portable:
+``eager`` (the model file's per-expert loop), ``grouped_mm`` (sort + ``torch.nn.functional.grouped_mm``)
+and ``batched_mm`` (gathers a weight copy per (token, expert) pair and runs ``bmm``; skipped where
+those copies would not fit in ``--batched-mm-cap-gb``). The implementation is selected the
+documented way, ``config._experts_implementation`` (what ``from_pretrained(experts_implementation=...)``
+sets). ``deepgemm`` and ``sonicmoe`` need CUDA kernels fetched from the Hugging Face kernels hub and
+are only tried when named in ``--hf-impls``.
+
+Every variant and a large square matmul (the machine's practical peak for the dtype) are timed
+in the same interleaved rounds, for the forward (no grad) and the forward + backward (input and
+weight gradients). Reported: tokens/s, and the active-expert FLOP rate (forward 6 T k d I, forward
++ backward 3x that; router and elementwise work not counted) as a fraction of the peak measured in
+the same rounds. Outputs of every variant are checked against ours (max abs difference).
+
+    python -m benchmarks.moe [--device cuda --dtype bfloat16] [--sizes 256,4096] [--smoke]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import harness as H
+
+NAME = "moe"
+PRESETS = {"smoke": [32, 128], "cpu": [32, 256, 2048], "gpu": [64, 1024, 16384]}
+REPS = {"smoke": 1, "cpu": 5, "gpu": 7}
+SHAPES = {"smoke": dict(hidden=32, experts=4, top_k=2, inter=32),
+          "cpu": dict(hidden=256, experts=16, top_k=4, inter=512),
+          "gpu": dict(hidden=2048, experts=64, top_k=8, inter=768)}  # the GPU pair's MoE layer
+PORTABLE_HF = ("eager", "grouped_mm", "batched_mm")
+
+
+def build_ours(shape: dict, dispatch: str, device, dtype, seed: int = 0):
+    from vlm.config import MoEConfig
+    from vlm.modeling.moe import MoEFeedForward, init_moe_weights
+    torch.manual_seed(seed)
+    m = MoEFeedForward(shape["hidden"], MoEConfig(num_experts=shape["experts"], top_k=shape["top_k"],
+                                                  moe_intermediate_size=shape["inter"], moe_dispatch=dispatch))
+    init_moe_weights(m, std=0.02)
+    torch.nn.init.normal_(m.router.weight, std=0.5 / shape["hidden"] ** 0.5)  # spread routing, like a trained router
+    return m.to(device, dtype)
+
+
+def build_hf(shape: dict, impl: str, ours, device, dtype):
+    """transformers' Qwen3-MoE sparse block of the same shape, holding a copy of ``ours``'s weights."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    cfg = Qwen3MoeConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"],
+                         num_experts=shape["experts"], num_experts_per_tok=shape["top_k"], norm_topk_prob=True,
+                         hidden_act="silu")
+    cfg._experts_implementation = impl
+    blk = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        # ours: w_gate/w_up [E, D, I], w_down [E, I, D]; HF: gate_up_proj [E, 2I, D], down_proj [E, D, I]
+        blk.experts.gate_up_proj.copy_(torch.cat([ours.w_gate, ours.w_up], dim=-1).transpose(1, 2).float())
+        blk.experts.down_proj.copy_(ours.w_down.transpose(1, 2).float())
+        blk.gate.weight.copy_(ours.router.weight.float())
+    return blk.to(device, dtype)
+
+
+def unbind_sorted_forward(module, x_BTD: torch.Tensor) -> torch.Tensor:
+    """PROPOSAL (not the model's code): ``MoEFeedForward.experts_sorted`` with ONE change, the per-expert
+    weights taken as views from ``w.unbind(0)`` instead of ``w[e]``. Same math, same outputs.
+
+    Why: the backward of ``w[e]`` (``select_backward``) allocates a zero tensor of the WHOLE [E, ...]
+    weight for every expert and accumulates E of them, i.e. E full-size fills and adds per weight per
+    backward; ``unbind``'s backward is one ``stack`` of the per-expert gradients.
+    """
+    B, T, D = x_BTD.shape
+    x = x_BTD.reshape(B * T, D)
+    _, _, w_NK, e_NK = module.route(x)
+    K = e_NK.shape[1]
+    flat = e_NK.reshape(-1)
+    order = flat.argsort(stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=module.num_experts).tolist()
+    wg, wu, wd = module.w_gate.unbind(0), module.w_up.unbind(0), module.w_down.unbind(0)
+    outs = []
+    for e, x_e in enumerate(torch.split(x[tok], counts)):
+        if x_e.shape[0]:
+            outs.append((F.silu(x_e @ wg[e]) * (x_e @ wu[e])) @ wd[e])
+    y = torch.cat(outs) * w_NK.reshape(-1)[order, None].to(x.dtype)
+    out = x.new_zeros(B * T, D)
+    out.index_add_(0, tok, y)
+    return out.view(B, T, D)
+
+
+def _unbind_grouped_swiglu(x_ND, counts, w_gate_EDI, w_up_EDI, w_down_EID):
+    """Drop-in for ``vlm.modeling.moe._grouped_swiglu`` with the ``unbind`` change (CPU / non-bf16 path)."""
+    if x_ND.is_cuda and hasattr(torch, "_grouped_mm") and x_ND.dtype == torch.bfloat16:
+        return _ORIGINAL_GROUPED_SWIGLU[0](x_ND, counts, w_gate_EDI, w_up_EDI, w_down_EID)
+    wg, wu, wd = w_gate_EDI.unbind(0), w_up_EDI.unbind(0), w_down_EID.unbind(0)
+    outs = [(F.silu(x_e @ wg[e]) * (x_e @ wu[e])) @ wd[e]
+            for e, x_e in enumerate(torch.split(x_ND, counts)) if x_e.shape[0]]
+    return torch.cat(outs) if outs else x_ND.new_zeros(0, w_down_EID.shape[-1])
+
+
+_ORIGINAL_GROUPED_SWIGLU: list = []
+
+
+class proposed_dispatch:  # noqa: N801 - used as a context manager
+    """Temporarily route ``MoEFeedForward``'s sorted dispatch through ``_unbind_grouped_swiglu`` (for the
+    opt-in ``benchmarks.train --proposal-unbind`` measurement; the model's source is untouched)."""
+
+    def __enter__(self):
+        import vlm.modeling.moe as moe_mod
+        _ORIGINAL_GROUPED_SWIGLU[:] = [moe_mod._grouped_swiglu]
+        moe_mod._grouped_swiglu = _unbind_grouped_swiglu
+        return self
+
+    def __exit__(self, *exc):
+        import vlm.modeling.moe as moe_mod
+        moe_mod._grouped_swiglu = _ORIGINAL_GROUPED_SWIGLU[0]
+        return False
+
+
+def run(argv=None) -> dict:
+    ap = H.base_parser(NAME, __doc__.split("\n")[0], "token counts per call, e.g. 256,2048")
+    ap.add_argument("--shape", default=None, help="smoke | cpu | gpu or hidden,experts,top_k,inter (default by preset)")
+    ap.add_argument("--hf-impls", default=",".join(PORTABLE_HF),
+                    help="transformers experts implementations to try "
+                         "(eager,grouped_mm,batched_mm[,deepgemm,sonicmoe])")
+    ap.add_argument("--batched-mm-cap-gb", type=float, default=None,
+                    help="skip batched_mm when its per-pair weight copies exceed this (default 1.5 CPU, 20 CUDA)")
+    ap.add_argument("--no-backward", action="store_true", help="forward only")
+    ap.add_argument("--no-proposal", action="store_true", help="leave out the proposed-dispatch variant")
+    args = ap.parse_args(argv)
+    s = H.setup(NAME, args, PRESETS, REPS)
+    log = H.logger(s)
+    if s.is_cuda and s.dtype == torch.bfloat16:
+        args.no_proposal = True  # the proposal changes the non-grouped (CPU / fp32) path only
+    key = args.shape or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
+    if key in SHAPES:
+        shape = dict(SHAPES[key])
+    else:
+        d, e, k, i = (int(v) for v in key.split(","))
+        shape = dict(hidden=d, experts=e, top_k=k, inter=i)
+    D, E, K, I = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]  # noqa: E741
+    cap_gb = args.batched_mm_cap_gb or (20.0 if s.is_cuda else 1.5)
+    elem = torch.empty((), dtype=s.dtype).element_size()
+    log(f"shape: hidden {D}, {E} experts, top-{K}, expert width {I}; {s.dtype}")
+
+    ours = {"ours_sorted": build_ours(shape, "sorted", s.device, s.dtype, s.seed)}
+    ours["ours_loop"] = build_ours(shape, "loop", s.device, s.dtype, s.seed)
+    ref = ours["ours_sorted"]
+    hf, unavailable = {}, {}
+    for impl in [x.strip() for x in args.hf_impls.split(",") if x.strip()]:
+        try:
+            blk = build_hf(shape, impl, ref, s.device, s.dtype)
+            probe = torch.randn(1, 8, D, device=s.device, dtype=s.dtype, requires_grad=True)
+            blk(probe).float().sum().backward()  # does it run here, forward and backward?
+            blk.zero_grad(set_to_none=True)
+            hf[f"hf_{impl}"] = blk
+        except Exception as err:  # noqa: BLE001 - recorded, not hidden
+            unavailable[f"hf_{impl}"] = f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"
+            log(f"hf_{impl}: unavailable here ({unavailable[f'hf_{impl}']})")
+    peak_n = H.matmul_peak_size(s.device, s.dtype, s.smoke)
+    peak_fn, peak_flops = H.make_matmul(s.device, s.dtype, peak_n)
+
+    def report():
+        table = H.md_table(["tokens", "pass", "variant", "time [IQR]", "tokens/s", "expert FLOP/s", "of peak",
+                            "time vs ours_sorted", "max abs diff vs ours"], rows)
+        md = (f"## MoE layer: ours vs transformers (Qwen3-MoE sparse block), {D} hidden, {E} experts, top-{K}, "
+              f"expert width {I}\n\n{H.settings_line(s)}\n\n"
+              "- ours_sorted = `MoEFeedForward(moe_dispatch=\"sorted\")` (CUDA bf16: `torch._grouped_mm`; else a "
+              "per-expert loop over contiguous sorted segments); ours_loop = the per-expert masked reference\n"
+              "- hf_* = `transformers.models.qwen3_moe.Qwen3MoeSparseMoeBlock` with `config._experts_implementation` "
+              "= eager / grouped_mm / batched_mm, the same weights (max abs diff column)\n"
+              "- proposal_unbind = a PROPOSED change to ours_sorted (benchmarks/moe.py `unbind_sorted_forward`): "
+              "per-expert weights from `w.unbind(0)` instead of `w[e]`, whose backward zero-fills the whole [E, ...] "
+              "weight once per expert; NOT the model's code\n"
+              "- expert FLOP/s = active-expert FLOPs (forward 6·T·k·d·I, forward+backward 3x) / median time; "
+              "'of peak' divides by the median rate of a square matmul timed in the same interleaved rounds\n\n"
+              + table + "\n")
+        return {"shape": shape, "hf_unavailable": unavailable, "results": results}, md
+
+    results, rows = [], []
+    modes = ["forward"] + ([] if args.no_backward else ["forward+backward"])
+    for T in s.sizes:
+        g = torch.Generator(device="cpu").manual_seed(s.seed + T)
+        x = torch.randn(1, T, D, generator=g).to(s.device, s.dtype)
+        grad_out = torch.randn(1, T, D, generator=g).to(s.device, s.dtype)
+        mods = {**ours, **hf}
+        skipped = dict(unavailable)
+        if "hf_batched_mm" in mods:
+            need = T * K * 3 * I * D * elem * 2 / 2**30  # weight copies + their gradients / workspace
+            if need > cap_gb:
+                skipped["hf_batched_mm"] = (f"skipped: materialises a weight copy per (token, expert) pair, "
+                                            f"~{need:.1f} GB at {T} tokens (> cap {cap_gb:g} GB)")
+                mods.pop("hf_batched_mm")
+        # correctness: every variant against ours_sorted on this input
+        with torch.no_grad():
+            y_ref = ref(x)[0].float()
+            check = {}
+            for name, m in mods.items():
+                y = m(x)
+                y = (y[0] if isinstance(y, tuple) else y).float()
+                check[name] = float((y - y_ref).abs().max())
+            if not args.no_proposal:
+                check["proposal_unbind"] = float((unbind_sorted_forward(ref, x).float() - y_ref).abs().max())
+        flops_fwd = 6.0 * T * K * D * I
+        entry = {"tokens": T, "max_abs_diff_vs_ours": check, "skipped": skipped, "flops_forward": flops_fwd}
+        for mode in modes:
+            variants = {}
+            for name, m in mods.items():
+                if mode == "forward":
+                    def fn(m=m):
+                        with torch.no_grad():
+                            return m(x)
+                else:
+                    xg = x.detach().clone().requires_grad_(True)
+
+                    def fn(m=m, xg=xg):
+                        for p in m.parameters():
+                            p.grad = None
+                        xg.grad = None
+                        y = m(xg)
+                        (y[0] if isinstance(y, tuple) else y).backward(grad_out)
+                variants[name] = fn
+            if not args.no_proposal:
+                if mode == "forward":
+                    def prop():
+                        with torch.no_grad():
+                            return unbind_sorted_forward(ref, x)
+                else:
+                    xg2 = x.detach().clone().requires_grad_(True)
+
+                    def prop(xg2=xg2):
+                        for p in (xg2, *ref.parameters()):
+                            p.grad = None
+                        unbind_sorted_forward(ref, xg2).backward(grad_out)
+                variants["proposal_unbind"] = prop
+            variants["matmul_peak"] = peak_fn
+            inner = 1 if not s.is_cuda else 5
+            log(f"T={T} {mode}: {len(variants)} variants, {s.warmup} warm-up + {s.reps} rounds")
+            comp = H.interleaved(variants, s.device, s.reps, s.warmup, inner=inner)
+            peak_rate = peak_flops / comp.median("matmul_peak")
+            flops = flops_fwd * (1 if mode == "forward" else 3)
+            per = {}
+            for name in variants:
+                if name == "matmul_peak":
+                    continue
+                st = comp.stats(name)
+                rate = flops / st["median"]
+                per[name] = {"seconds": st, "tokens_per_s": T / st["median"], "expert_flops_per_s": rate,
+                             "fraction_of_peak": rate / peak_rate,
+                             "vs_ours_sorted": comp.median(name) / comp.median("ours_sorted")}
+            hf_names = [n for n in per if n.startswith("hf_")]
+            fastest_hf = min(hf_names, key=lambda n: per[n]["seconds"]["median"]) if hf_names else None
+            entry[mode] = {"peak_flops_per_s": peak_rate, "peak_matmul_n": peak_n, "variants": per,
+                           "fastest_hf": fastest_hf,
+                           "ours_vs_fastest_hf_speedup": (comp.speedup(fastest_hf, "ours_sorted")
+                                                          if fastest_hf else None),
+                           "raw_times": comp.times}
+            for name, r in per.items():
+                rows.append([f"{T:,}", mode, name, f"{H.fmt_time(r['seconds']['median'])} "
+                             f"[{H.fmt_time(r['seconds']['q1'])}-{H.fmt_time(r['seconds']['q3'])}]",
+                             f"{r['tokens_per_s']:,.0f}", H.fmt_num(r["expert_flops_per_s"], "FLOP/s"),
+                             f"{r['fraction_of_peak']:.0%}", f"{r['vs_ours_sorted']:.2f}x",
+                             f"{check.get(name, 0.0):.1e}"])
+            for name, why in skipped.items():
+                rows.append([f"{T:,}", mode, name, why, "", "", "", "", ""])
+            rows.append([f"{T:,}", mode, "matmul peak", f"{peak_n}^3 matmul", "", H.fmt_num(peak_rate, "FLOP/s"),
+                         "100%", "", ""])
+            log(f"T={T} {mode}: ours_sorted {per['ours_sorted']['fraction_of_peak']:.0%} of peak "
+                f"({H.fmt_num(peak_rate, 'FLOP/s')}); fastest HF {fastest_hf} "
+                + (f"{per[fastest_hf]['vs_ours_sorted']:.2f}x our time" if fastest_hf else ""))
+        results.append(entry)
+        H.free_memory(s.device)
+        H.write_results(s, *report(), partial=True)
+
+    def plot(plt):
+        fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            names = sorted({n for r in results for n in r[mode]["variants"]})
+            width = 0.8 / max(len(results), 1)
+            for i, r in enumerate(results):
+                vals = [100 * r[mode]["variants"][n]["fraction_of_peak"] if n in r[mode]["variants"] else 0
+                        for n in names]
+                ax.bar([j + i * width for j in range(len(names))], vals, width, label=f"{r['tokens']} tokens")
+            ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(names))], names, rotation=30,
+                          ha="right", fontsize=8)
+            ax.set(ylabel="% of measured matmul peak", title=f"MoE {mode} ({s.device.type}, "
+                                                              f"{str(s.dtype).replace('torch.', '')})")
+            ax.legend(fontsize=8)
+        return fig
+
+    payload = H.write_results(s, *report(), plot)
+    log(f"wrote {s.out / s.name}.json/.md/.png")
+    return payload
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Smoke runs of the benchmark scripts (benchmarks/*.py): tiny sizes, one round, JSON keys checked.
+
+Benchmarks are not tests: these only prove every script runs end to end and writes the result
+files `make bench` and benchmarks/gpu.sh rely on. The figures themselves are meaningless here.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import decode, harness, moe, prefill, run_all, train
+
+SMOKE = ["--smoke", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+def _run(module, out_dir, *extra):
+    payload = module.run([*SMOKE, "--out", str(out_dir), *extra])
+    name = payload["name"]
+    for suffix in (".json", ".md", ".png"):
+        assert (out_dir / f"{name}{suffix}").is_file(), f"{name}{suffix} missing"
+    data = json.loads((out_dir / f"{name}.json").read_text())
+    assert data["partial"] is False
+    for key in ("settings", "machine", "results"):
+        assert key in data
+    assert data["settings"]["threads"] == 1 and data["settings"]["smoke"] is True
+    assert data["machine"]["torch"] == torch.__version__
+    return data
+
+
+@pytest.fixture(scope="module")
+def prefill_data(out_dir):
+    return _run(prefill, out_dir)
+
+
+@pytest.fixture(scope="module")
+def decode_data(out_dir):
+    return _run(decode, out_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_data(out_dir):
+    return _run(moe, out_dir)
+
+
+@pytest.fixture(scope="module")
+def train_data(out_dir):
+    return _run(train, out_dir)
+
+
+def test_prefill_smoke(prefill_data):
+    res = prefill_data["results"]
+    assert [r["seq_len"] for r in res] == prefill.PRESETS["smoke"]
+    for r in res:
+        assert r["achieved_ratio"] == pytest.approx(2.0)  # fixed boundaries: exactly R
+        for key in ("moe_s", "concept_s", "speedup", "predicted_speedup_full_map", "predicted_speedup_causal",
+                    "measured_over_predicted", "raw_times"):
+            assert key in r
+        assert r["moe_s"]["median"] > 0 and r["concept_s"]["median"] > 0
+        assert r["predicted_speedup_full_map"] > r["predicted_speedup_causal"] > 0
+    pair = prefill_data["pair"]
+    assert pair["boundary_mode"] == "fixed" and pair["split"] == "1/2/1"
+    assert pair["concept_top_k"] > pair["top_k"]  # strategy 1 gives the saved FLOPs back as experts
+    check = prefill_data["flop_check"]
+    assert check["moe"]["counted_over_accountant"] == pytest.approx(1.0, rel=1e-6)
+    assert check["concept"]["counted_over_accountant"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_decode_smoke(decode_data):
+    res = decode_data["results"]
+    assert {(r["batch"], r["kv_len"]) for r in res} == {(b, n) for b in (1, 2) for n in decode.PRESETS["smoke"]}
+    for r in res:
+        for key in ("moe_s_per_step", "concept_s_per_step", "speedup", "predicted_speedup_flops"):
+            assert key in r
+        # fixed boundaries, synthetic fill: N/R concepts + one per 2 decoded tokens
+        assert r["concept_cache_entries_after"][0] >= r["kv_len"] // 2
+    kv = decode_data["kv_bytes"][0]
+    # concept layers hold 1/R of a baseline layer's bytes (within 5%), and match the formula
+    assert abs(kv["concept_layer_rel_error_vs_1_over_R"]) < 0.05
+    for tag in ("moe", "concept"):
+        assert kv[tag]["measured_over_formula"]["total"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_moe_smoke(moe_data):
+    assert moe_data["shape"] == moe.SHAPES["smoke"]
+    for entry in moe_data["results"]:
+        for name, diff in entry["max_abs_diff_vs_ours"].items():
+            assert diff < 1e-4, f"{name} disagrees with ours: {diff}"  # same weights -> same outputs
+        for mode in ("forward", "forward+backward"):
+            variants = entry[mode]["variants"]
+            assert {"ours_sorted", "ours_loop", "hf_eager"} <= set(variants)
+            assert entry[mode]["peak_flops_per_s"] > 0
+            for v in variants.values():
+                assert v["tokens_per_s"] > 0 and 0 < v["fraction_of_peak"] < math.inf
+
+
+def test_train_smoke(train_data):
+    r = train_data["results"][0]
+    for tag in ("moe", "concept"):
+        for key in ("step_s", "tokens_per_s", "train_flops_per_token", "mfu", "mfu_causal"):
+            assert key in r[tag]
+        assert r[tag]["mfu"] > 0
+        assert all(math.isfinite(x) for x in r[tag]["loss_first_last"])
+    assert r["achieved_ratio"] == pytest.approx(2.0)
+
+
+def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data):
+    assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0
+    text = (out_dir / "SUMMARY.md").read_text()
+    for title in ("Prefill latency", "Decode latency", "MoE layer", "Training throughput"):
+        assert title in text
+
+
+def test_synthetic_fill_matches_real_prefill():
+    """decode.py's synthetic cache fill leaves the same lengths and decode fields as a real prefill."""
+    base, con, _ = harness.load_pair("smoke")
+    model = harness.build_model(con, torch.device("cpu"), torch.float32)
+    N, B = 20, 2
+    with torch.inference_mode():
+        real = model.start_decoding(B, N + 8)
+        model.prefill(real, harness.random_ids(B, N, con.vocab_size, torch.device("cpu")))
+        fake = model.start_decoding(B, N + 8)
+        decode.synthetic_fill(model, fake, B, N)
+        for a, b in zip(real.token_caches + real.concept_caches, fake.token_caches + fake.concept_caches):
+            assert torch.equal(a.len_B, b.len_B) and torch.equal(a.valid_BC, b.valid_BC)
+            assert a.nbytes() == b.nbytes()
+        assert torch.equal(real.next_pos_B, fake.next_pos_B)
+        for field in ("prev_k_BD", "ema_BD", "has_ema_B"):
+            ra, fa = getattr(real, field), getattr(fake, field)
+            assert ra.shape == fa.shape and ra.dtype == fa.dtype, field
+        tok = torch.ones(B, dtype=torch.long)
+        for _ in range(3):  # both states decode
+            assert model.step(real, tok).shape == model.step(fake, tok).shape
+
+
+def test_interleaving_and_stats():
+    calls = []
+    comp = harness.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                               torch.device("cpu"), reps=3, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # order flips every round
+    assert len(comp.times["a"]) == 3 and comp.order == [["b", "a"], ["a", "b"], ["b", "a"]]
+    st = harness.stats([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (st["median"], st["q1"], st["q3"]) == (3.0, 2.0, 4.0)
+    comp.times = {"a": [2.0, 2.0, 2.0], "b": [1.0, 1.0, 1.0]}
+    assert comp.speedup("a", "b")["median_of_ratios"] == pytest.approx(1.0)  # b is 100% faster
+
+
+def test_size_parsing():
+    assert harness.parse_sizes("1K,2k,300", {}, "cpu") == ("custom", [1024, 2048, 300])
+    assert harness.parse_sizes(None, {"cpu": [1, 2]}, "cpu") == ("cpu", [1, 2])
