@@ -1,0 +1,123 @@
+"""Atomic checkpoints: the save protocol, the ``latest`` pointer, keep-last-K, discovery after crashes,
+RNG state round trip, and a real kill -9 during a save followed by ``--resume auto``."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vlm.training import checkpoint as ckpt
+from vlm.training import testing
+
+
+class FakeEngine:
+    """Writes what DeepSpeed's save_checkpoint would, into save_dir/tag."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=True):
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+        assert not save_latest  # the pointer is ours, written atomically after the rename
+
+    def load_checkpoint(self, load_dir, tag, **kwargs):
+        self.loaded = Path(load_dir) / tag
+        return str(self.loaded), {}
+
+
+def _save(engine, d, step, keep=2):
+    return ckpt.save(engine, d, step, {"skipped_steps": 0}, {"rng": ckpt.rng_state(), "data": {"index": step}},
+                     keep_last=keep)
+
+
+def test_save_rename_pointer_and_keep_last(tmp_path):
+    eng = FakeEngine()
+    for step in (1, 2, 3, 4):
+        path = _save(eng, tmp_path, step)
+        assert path.name == f"step_{step:06d}" and ckpt.is_complete(path)
+        assert (tmp_path / "latest").read_text().strip() == path.name
+        assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000004"
+    state = json.loads((tmp_path / "step_000004" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["world_size"] == 1
+    _trainer_state, rank_state = ckpt.load(eng, tmp_path / "step_000004", rank=0, world_size=1)
+    assert eng.loaded == tmp_path / "step_000004" and rank_state["data"] == {"index": 4}
+    with pytest.raises(RuntimeError, match="same world size"):
+        ckpt.load(eng, tmp_path / "step_000004", rank=0, world_size=2)
+
+
+def test_discovery_ignores_partial_saves(tmp_path):
+    eng = FakeEngine()
+    _save(eng, tmp_path, 2)
+    # a save killed midway: the .tmp folder holds engine files and maybe rank files, no rename
+    eng.save_checkpoint(tmp_path, "step_000004.tmp", save_latest=False)
+    (tmp_path / "step_000004.tmp" / "rank_00000.json").write_text("{}")
+    # a folder without trainer_state.json (e.g. copied by hand) is not complete either
+    (tmp_path / "step_000005").mkdir()
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000002"
+    assert ckpt.resolve_resume("auto", tmp_path).name == "step_000002"
+    assert ckpt.resolve_resume(str(tmp_path), "unused").name == "step_000002"
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve_resume(str(tmp_path / "step_000004.tmp"), tmp_path)
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve_resume(str(tmp_path / "step_000005"), tmp_path)
+    # the next save of step 4 replaces the stale .tmp and prunes the junk
+    _save(eng, tmp_path, 4)
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000004"
+    assert not (tmp_path / "step_000004.tmp").exists()
+
+
+def test_crash_between_rename_and_pointer(tmp_path):
+    eng = FakeEngine()
+    _save(eng, tmp_path, 2)
+    _save(eng, tmp_path, 4)
+    (tmp_path / "latest").write_text("step_000002\n")  # as if killed before os.replace(latest)
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000004"
+    (tmp_path / "latest").write_text("step_000009\n")  # pointer to something gone
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000004"
+    assert ckpt.resolve_resume("auto", tmp_path / "nothing_here") is None
+
+
+def test_rng_state_is_json_and_round_trips():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(ckpt.rng_state()))  # plain JSON, no pickle
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_kill_during_save_then_resume_auto(tmp_path):
+    """kill -9 in the middle of the step-4 save: step 2 stays the loadable newest checkpoint;
+    ``--resume auto`` picks it and the resumed steps 3-4 reproduce the killed run's losses."""
+    raw = testing.config(tmp_path, name="crash", train={"max_steps": 6},
+                         checkpoint={"every_steps": 2, "keep_last": 2})
+    cfg_path = testing.write_config(tmp_path, raw)
+    run_dir = tmp_path / "crash"
+    proc = testing.launch(cfg_path, launcher="python", timeout=240,
+                          env=testing.clean_env(VLM_TRAIN_FAULT="kill_during_save:4"))
+    assert proc.returncode == -9, proc.stdout[-3000:]
+    ck = run_dir / "ckpt"
+    assert (ck / "step_000004.tmp").is_dir() and not (ck / "step_000004").exists()
+    assert (ck / "latest").read_text().strip() == "step_000002"
+    assert ckpt.find_checkpoint(ck).name == "step_000002"
+    before = testing.losses(run_dir)
+    assert sorted(before) == [1, 2, 3, 4]
+    trainer = testing.run_inprocess(raw, tmp_path, resume="auto")
+    assert trainer.resumed_from.endswith("step_000002")
+    recs = testing.records(run_dir)
+    resumed = {r["step"]: r["loss"] for r in recs[4:]}
+    assert sorted(resumed) == [3, 4, 5, 6]
+    # (the killed run had 1 thread, this process may have more: equal up to summation order)
+    assert resumed[3] == pytest.approx(before[3], abs=1e-5) and resumed[4] == pytest.approx(before[4], abs=1e-5)
+    assert [p.name for p in ckpt.list_checkpoints(ck)] == ["step_000004", "step_000006"]
+    assert not (ck / "step_000004.tmp").exists()

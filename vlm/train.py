@@ -1,0 +1,85 @@
+"""Train a ConceptMoE-VL model (or the text-only ConceptMoE LM) with DeepSpeed.
+
+    python -m vlm.train --config configs/train/default.yaml [dotted.key=value ...] [--resume auto|PATH]
+
+The same file runs under every launcher (DeepSpeed is the engine in every mode):
+
+    python -m vlm.train --config C                                   # 1 process (CPU: gloo, fp32)
+    torchrun --nproc_per_node 2 -m vlm.train --config C              # 2 processes, one machine
+    deepspeed --num_gpus 8 -m vlm.train --config C                   # GPUs (bf16, nccl)
+    deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
+
+Overrides: ``train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3`` (see
+``vlm/training/train_config.py``). ``--resume auto`` continues from the newest complete checkpoint
+of the run (``runs/<name>/ckpt``) or starts fresh if there is none; ``--resume PATH`` takes a
+checkpoint folder (``.../step_000123``) or a checkpoint dir. Exit codes: 0 done, 2 config error,
+3 aborted on non-finite steps.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:  # `deepspeed vlm/train.py`: make the repo importable
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0]) == _here:
+        sys.path.pop(0)  # vlm/ itself must not shadow top-level modules
+    sys.path.insert(0, os.path.dirname(_here))
+
+import argparse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vlm.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
+    p.add_argument("--resume", default=None, help="'auto' or a checkpoint folder / checkpoint dir")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher; LOCAL_RANK from the environment is used")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    return p.parse_args(argv)
+
+
+def _quiet_imports() -> None:
+    # timm imports wandb (if installed) at import time only to offer it as a logger: ~10 s on a
+    # small machine for a package we never use. Hide it unless asked for.
+    if os.environ.get("VLM_ALLOW_WANDB") != "1" and "wandb" not in sys.modules:
+        sys.modules["wandb"] = None  # `import wandb` -> ImportError; find_spec -> None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    # torch 2.14 deprecates the collective names DeepSpeed calls on every step; say it once, not 1000x
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _quiet_imports()
+    from vlm.config import ConfigError
+    from vlm.training.train_config import load_train_config
+
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        if args.no_eval:
+            cfg.eval.vqa_json = None
+        from vlm.training.trainer import NonFiniteAbort, Trainer
+
+        trainer = Trainer(cfg, resume=args.resume)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        trainer.fit()
+    except NonFiniteAbort as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 3
+    trainer.finish()
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Atomic training checkpoints: DeepSpeed engine state + step + data-loader state + RNG states.
+
+Layout of ``<ckpt_dir>`` (default ``runs/<name>/ckpt``)::
+
+    step_000123/                 one complete checkpoint
+        mp_rank_00_model_states.pt, *optim_states.pt ...   engine.save_checkpoint (model, optimizer,
+                                                            LR scheduler; DeepSpeed's own format)
+        rank_00000.json ...      per rank: RNG states (python, numpy, torch, cuda) + data-loader state
+        trainer_state.json       rank 0, written last: step, counters, world size, config
+    latest                       one line: the name of the newest complete checkpoint
+
+Our own files are JSON (no pickle); the torch RNG state is stored as base64 of its bytes.
+
+Save protocol (every rank calls ``save``; the DeepSpeed part is collective):
+ 1. rank 0 removes a stale ``step_000123.tmp/`` left by an earlier crash; barrier;
+ 2. ``engine.save_checkpoint(ckpt_dir, tag="step_000123.tmp", save_latest=False)``;
+ 3. each rank writes ``rank_<r>.json`` into the tmp folder and fsyncs it; barrier;
+ 4. rank 0 writes ``trainer_state.json``, fsyncs every file and the folder, renames
+    ``step_000123.tmp`` -> ``step_000123`` (atomic on one filesystem), fsyncs ``ckpt_dir``, then
+    replaces ``latest`` atomically (write ``latest.tmp``, fsync, ``os.replace``, fsync the folder);
+ 5. rank 0 deletes all but the newest ``keep_last`` complete checkpoints (never the new one);
+    barrier.
+A process killed at any point leaves either the previous checkpoint + ``latest`` untouched (kill
+before the rename) or the new one complete (kill after it; ``latest`` may still name the previous
+one, which is also complete). ``find_checkpoint`` never returns a ``.tmp`` folder or one without
+``trainer_state.json`` and all of its ``rank_*.json`` files. The checkpoint folder must be on a
+filesystem that all ranks share (as DeepSpeed itself assumes by default).
+
+Fault injection for tests (never set in real runs): ``VLM_TRAIN_FAULT=kill_during_save:<step>``
+SIGKILLs rank 0 between steps 3 and 4 of the save of that step; ``kill_after_save:<step>`` right
+after the save completed.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+FORMAT_VERSION = 1
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+# --- fsync helpers ------------------------------------------------------------------------------
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON and fsync it (the caller decides about atomic renames)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# --- RNG states as JSON -------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, list(state), gauss],
+           "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+           "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    version, st, gauss = state["python"]
+    random.setstate((version, tuple(st), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# --- discovery ----------------------------------------------------------------------------------
+def is_complete(path: str | Path) -> bool:
+    """A finished checkpoint: not a .tmp folder, trainer_state.json and every rank file present."""
+    path = Path(path)
+    if not path.is_dir() or not STEP_RE.match(path.name):
+        return False
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        return False
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return all((path / rank_file(r)).is_file() for r in range(int(state.get("world_size", 1))))
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if STEP_RE.match(p.name) and is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint: the ``latest`` pointer if it is valid, else a scan."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / LATEST
+    candidates = list_checkpoints(ckpt_dir)
+    newest = candidates[-1] if candidates else None
+    if pointer.is_file():
+        target = ckpt_dir / pointer.read_text().strip()
+        if is_complete(target):
+            # a crash between the rename and the pointer update leaves a newer complete one
+            if newest is not None and _step_of(newest) > _step_of(target):
+                return newest
+            return target
+    return newest
+
+
+def resolve_resume(resume: str | None, ckpt_dir: str | Path) -> Path | None:
+    """``--resume`` value -> checkpoint folder (None = start fresh).
+
+    ``auto``: the newest complete checkpoint in this run's ckpt dir, or None if there is none.
+    A path: a checkpoint folder (``.../step_000123``) or a ckpt dir (its newest checkpoint).
+    """
+    if not resume:
+        return None
+    if resume == "auto":
+        return find_checkpoint(ckpt_dir)
+    path = Path(resume)
+    if STEP_RE.match(path.name):
+        if not is_complete(path):
+            raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (missing {TRAINER_STATE} "
+                                    "or rank files, or still a .tmp folder)")
+        return path
+    found = find_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in that folder")
+    return found
+
+
+def _step_of(path: Path) -> int:
+    return int(STEP_RE.match(path.name).group(1))
+
+
+# --- save / load --------------------------------------------------------------------------------
+def _fault(kind: str, step: int) -> None:
+    spec = os.environ.get("VLM_TRAIN_FAULT", "")
+    if spec == f"{kind}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_state: dict,
+         keep_last: int = 2, rank: int = 0, world_size: int = 1) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    ckpt_dir = Path(ckpt_dir)
+    name = step_dir_name(step)
+    final, tmp = ckpt_dir / name, ckpt_dir / f"{name}.tmp"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    _barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=tmp.name, client_state={}, save_latest=False)
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_json(tmp / rank_file(rank), {"rank": rank, "step": step, **rank_state})
+    _barrier()
+    if rank == 0:
+        _fault("kill_during_save", step)
+        write_json(tmp / TRAINER_STATE, {"format_version": FORMAT_VERSION, "step": step,
+                                         "world_size": world_size, **trainer_state})
+        fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. resumed at the final step): replace it
+            old = ckpt_dir / f"{name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(ckpt_dir)
+        atomic_write_text(ckpt_dir / LATEST, name + "\n")
+        prune(ckpt_dir, keep_last, protect=final)
+        _fault("kill_after_save", step)
+    _barrier()
+    return final
+
+
+def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last`` and stale ``.tmp`` folders."""
+    removed = []
+    complete = list_checkpoints(ckpt_dir)
+    for path in complete[:-keep_last] if keep_last > 0 else []:
+        if protect is not None and path.resolve() == protect.resolve():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    for path in ckpt_dir.iterdir():
+        if path.is_dir() and (path.name.endswith(".tmp") or path.name.endswith(".old")) and path != protect:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, dict]:
+    """Collective: load the engine state; returns (trainer_state, this rank's state)."""
+    path = Path(path)
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    saved_world = int(trainer_state.get("world_size", 1))
+    if saved_world != world_size:
+        raise RuntimeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
+                           "exact resume (data order, RNG, ZeRO partitions) needs the same world size")
+    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+    rank_state = json.loads((path / rank_file(rank)).read_text())
+    return trainer_state, rank_state

@@ -1,0 +1,141 @@
+"""Process group and DeepSpeed config: the same code path for 1 CPU process, torchrun, and the
+deepspeed launcher on one or many GPU nodes.
+
+Launch modes (all end in ``deepspeed.init_distributed``):
+- plain ``python -m vlm.train``: no launcher env, so we set RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
+  MASTER_ADDR=127.0.0.1 and a free MASTER_PORT ourselves (``set_env_defaults``);
+- ``torchrun`` / ``deepspeed`` launchers: they set those variables (the deepspeed launcher also
+  passes ``--local_rank``, which ``vlm/train.py`` accepts and ignores in favour of LOCAL_RANK).
+
+Backend: ``gloo`` on CPU, ``nccl`` on CUDA.
+
+Avoiding DeepSpeed's shared-memory comm op on CPU. When DeepSpeed creates its torch comm backend
+(``deepspeed.comm.torch.TorchBackend.__init__``) it calls ``build_shm_op()``, which on the CPU
+accelerator JIT-compiles ``deepspeed_shm_comm`` (csrc/cpu/comm/shm*.cpp) with ninja: about 60 s
+on 2 cores, once per process and cache dir. It is only used by ``inference_all_reduce`` (not by
+training). ``build_shm_op`` gives up (returns None) when the op is marked incompatible in
+``deepspeed.ops.__compatible_ops__`` -- a module-level dict that DeepSpeed builds lazily on first
+access and keeps ("edits to it persist", deepspeed/ops/__init__.py). So before
+``init_distributed`` we set ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``
+(``disable_shm_comm_op``). There is no environment variable for this in DeepSpeed 0.19
+(``DS_BUILD_SHM_COMM`` only matters for ``pip install`` pre-builds); ``DS_ACCELERATOR=cpu`` selects
+the CPU accelerator but does not stop the build. Set ``VLM_KEEP_DS_SHM_OP=1`` to keep the op.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_env_defaults() -> bool:
+    """Fill the torch.distributed env for a single process without a launcher. True if it did."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return False
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return True
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was asked for but torch sees no CUDA device")
+    return requested
+
+
+def disable_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory comm op (see module docstring)."""
+    if os.environ.get("VLM_KEEP_DS_SHM_OP") == "1":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None = None) -> dict:
+    """Initialise torch.distributed through DeepSpeed; returns rank / world / local_rank info."""
+    set_env_defaults()
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if device == "cpu":
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+    import deepspeed
+
+    if device == "cpu":
+        disable_shm_comm_op()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=timeout_s), verbose=False)
+    return {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
+            "local_rank": local_rank, "device": device}
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a (CPU) tensor over ranks; NCCL only reduces CUDA tensors, so it travels via the GPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if torch.distributed.get_backend() == "nccl":
+            dev = t.to(f"cuda:{torch.cuda.current_device()}")
+            torch.distributed.all_reduce(dev)
+            return dev.cpu()
+        torch.distributed.all_reduce(t)
+    return t
+
+
+# --- DeepSpeed config ---------------------------------------------------------------------------
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_ds_config(cfg, world_size: int, bf16: bool) -> dict:
+    """configs/deepspeed/<preset>.json + deepspeed_overrides, with the batch, clipping and precision
+    fields filled from the training YAML (the single source of truth for them)."""
+    with open(cfg.deepspeed_json(), encoding="utf-8") as f:
+        ds = json.load(f)
+    ds = _merge(ds, cfg.deepspeed_overrides or {})
+    t = cfg.train
+    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    ds["gradient_accumulation_steps"] = t.grad_accum
+    ds["train_batch_size"] = t.micro_batch_size * t.grad_accum * world_size
+    ds["gradient_clipping"] = float(t.grad_clip)
+    bf = ds.get("bf16") if isinstance(ds.get("bf16"), dict) else {}
+    bf = {**bf, "enabled": bool(bf16)}
+    if bf16:
+        bf.setdefault("check_grad_overflow", True)  # a non-finite gradient skips the step in bf16 too
+    ds["bf16"] = bf
+    ds["fp16"] = {"enabled": False}
+    for key in ("optimizer", "scheduler"):  # we pass a torch AdamW and a LambdaLR ourselves
+        ds.pop(key, None)
+    ds.setdefault("steps_per_print", 10 ** 9)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds

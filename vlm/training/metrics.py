@@ -1,0 +1,260 @@
+"""Training metrics: per-micro-batch accumulation, cross-rank reduction, and rank-0 sinks.
+
+Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``
+and the same scalars to TensorBoard (``runs/<name>/tb``), and updates the tqdm bar. Keys:
+
+    step, time_s, loss, lm_loss, ratio_loss, lb_loss, z_loss   (means over the window's
+                                                      micro-batches and ranks; ``loss`` is the
+                                                      weighted total the model optimises)
+    ratio, ratio_image, ratio_text   achieved R = tokens / concepts, pooled over the window
+    boundary_prob                    mean router probability p over real tokens
+    expert_load                      [layer run][expert] fraction of routed assignments
+    expert_load_max                  max over layers of (busiest expert's fraction x E): 1 = balanced
+    tokens, tokens_per_s, samples_per_s, mfu, flops_per_token (training, LM only)
+    lr (first group), lr_groups {group: lr}, grad_norm
+    skipped_steps (total), nonfinite_in_row, nonfinite_loss (micro-batches in the window)
+    skipped_samples {reason: count}  cumulative bad-data counts of the loader, summed over ranks
+
+With ``eval.every_steps`` extra lines hold the periodic held-out score instead: step,
+eval_vqa_accuracy, eval_vqa_<kind> (digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
+
+MFU = tokens/s x training FLOPs per token / (peak FLOP/s per device x devices). FLOPs per token
+come from ``vlm.flops.flops_per_token(text_config, seq_len, ratio)['train_total']`` (3 x forward)
+at the window's mean row length and achieved ratio; the vision tower is not counted. Without
+``vlm.flops`` MFU is left out. ``log.peak_flops`` overrides the per-device guess (``guess_peak_flops``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from vlm.training.distributed import all_reduce_sum
+
+IGNORE_INDEX = -100
+SCALARS = ("loss", "lm_loss", "ratio_loss", "lb_loss", "z_loss")
+# counters summed over micro-batches and ranks (index into the reduction vector)
+COUNTERS = ("micro", "nonfinite", "tokens", "rows", "samples", "bnd", "tok_img", "bnd_img", "tok_txt", "bnd_txt",
+            "prob_sum", "prob_n", "padded_tokens")
+
+
+def guess_peak_flops(device: str) -> float:
+    """Dense bf16 peak of one accelerator (spec sheet numbers), or a rough fp32 CPU figure."""
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name().upper()
+        for key, val in (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
+                         ("A800", 312e12), ("L40", 181e12), ("A10", 125e12), ("4090", 165e12), ("V100", 125e12)):
+            if key in name:
+                return val
+        return 100e12
+    threads = torch.get_num_threads()
+    return 32e9 * max(threads, 1)  # ~ 2 AVX2 FMA units x 8 fp32 lanes x 2 flops x ~1 GHz sustained
+
+
+class WindowStats:
+    """Sums over the micro-batches of one logging window on this rank.
+
+    Everything is accumulated as tensors on the model's device (no host sync per micro-batch);
+    ``reduce`` moves the totals to the host once per log step."""
+
+    def __init__(self, image_token_id: int | None):
+        self.image_token_id = image_token_id
+        self.reset()
+
+    def reset(self) -> None:
+        self.acc: torch.Tensor | None = None  # [len(SCALARS) + len(COUNTERS)] float64
+        self.experts: torch.Tensor | None = None
+        self.t0 = time.perf_counter()
+
+    @property
+    def micro(self) -> float:
+        return 0.0 if self.acc is None else float(self.acc[len(SCALARS) + COUNTERS.index("micro")])
+
+    @property
+    def nonfinite(self) -> float:
+        return 0.0 if self.acc is None else float(self.acc[len(SCALARS) + COUNTERS.index("nonfinite")])
+
+    @torch.no_grad()
+    def add(self, out, batch: dict) -> None:
+        loss = out.loss.detach().double()
+        dev = loss.device
+        finite = torch.isfinite(loss)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        vals = []
+        for key in SCALARS:
+            v = getattr(out, key, None)
+            vals.append(torch.where(finite, v.detach().double(), zero) if v is not None else zero)
+        mask = batch["attention_mask"]
+        valid = mask.to(dev).bool()
+        c = dict.fromkeys(COUNTERS, zero)
+        c["micro"] = zero + 1
+        c["nonfinite"] = (~finite).double()
+        c["tokens"] = valid.sum().double()
+        c["padded_tokens"] = zero + valid.numel()
+        c["rows"] = zero + valid.shape[0]
+        c["samples"] = zero + float(batch.get("num_samples", valid.shape[0]))
+        b = getattr(out, "boundary_mask", None)
+        if b is not None:
+            b = b.bool() & valid
+            c["bnd"] = b.sum().double()
+            if self.image_token_id is not None:
+                img = (batch["input_ids"].to(dev) == self.image_token_id) & valid
+                txt = valid & ~img
+                c["tok_img"], c["bnd_img"] = img.sum().double(), (b & img).sum().double()
+                c["tok_txt"], c["bnd_txt"] = txt.sum().double(), (b & txt).sum().double()
+            p = getattr(out, "boundary_probs", None)
+            if p is not None:
+                c["prob_sum"] = (p.double() * valid).sum()
+                c["prob_n"] = valid.sum().double()
+        vec = torch.stack(vals + [c[k] for k in COUNTERS])
+        self.acc = vec if self.acc is None else self.acc + vec
+        tpe = getattr(out, "tokens_per_expert", None)
+        if tpe:
+            stacked = torch.stack([t.detach().double() for t in tpe])
+            self.experts = stacked if self.experts is None else self.experts + stacked
+
+    def reduce(self) -> dict:
+        """All-reduce (sum) over ranks; every rank must call it at the same step."""
+        n = len(SCALARS) + len(COUNTERS)
+        vec = self.acc.cpu() if self.acc is not None else torch.zeros(n, dtype=torch.float64)
+        vec = all_reduce_sum(vec)
+        sums = dict(zip(SCALARS, vec[: len(SCALARS)].tolist()))
+        cnt = dict(zip(COUNTERS, vec[len(SCALARS):].tolist()))
+        experts = None
+        if self.experts is not None:
+            experts = all_reduce_sum(self.experts.cpu().clone())
+        return {"sums": sums, "count": cnt, "experts": experts}
+
+
+def summarize(red: dict, elapsed: float, world_size: int) -> dict:
+    s, c = red["sums"], red["count"]
+    finite_micro = max(c["micro"] - c["nonfinite"], 1.0)
+    out = {k: s[k] / finite_micro for k in SCALARS}
+    if c["micro"] and c["nonfinite"] == c["micro"]:
+        out = {k: float("nan") for k in SCALARS}
+    if c["bnd"]:
+        out["ratio"] = c["tokens"] / c["bnd"]
+    if c["bnd_img"]:
+        out["ratio_image"] = c["tok_img"] / c["bnd_img"]
+    if c["bnd_txt"]:
+        out["ratio_text"] = c["tok_txt"] / c["bnd_txt"]
+    if c["prob_n"]:
+        out["boundary_prob"] = c["prob_sum"] / c["prob_n"]
+    if red["experts"] is not None:
+        e = red["experts"]
+        frac = e / e.sum(-1, keepdim=True).clamp(min=1)
+        out["expert_load"] = [[round(float(x), 5) for x in row] for row in frac]
+        out["expert_load_max"] = float((frac.max(-1).values * frac.shape[-1]).max())
+    out["tokens"] = int(c["tokens"])
+    out["nonfinite_loss"] = int(c["nonfinite"])
+    out["tokens_per_s"] = c["tokens"] / max(elapsed, 1e-9)
+    out["samples_per_s"] = c["samples"] / max(elapsed, 1e-9)
+    out["mean_row_len"] = c["padded_tokens"] / max(c["rows"], 1.0)
+    return out
+
+
+def train_flops_per_token(text_config, seq_len: float, ratio: float | None) -> float | None:
+    try:
+        from vlm.flops import flops_per_token
+    except ImportError:
+        return None
+    try:
+        f = flops_per_token(text_config, seq_len=max(round(seq_len), 1),
+                            ratio=ratio if getattr(text_config, "chunking", False) else None)
+    except Exception:  # noqa: BLE001 - a FLOPs estimate must never stop training
+        return None
+    if "train_total" in f:
+        return float(f["train_total"])
+    return 3.0 * float(f["total"]) if "total" in f else None
+
+
+class MetricsLogger:
+    """Rank-0 sinks: tqdm bar, TensorBoard, JSONL. Other ranks get a no-op instance."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int, progress_bar: bool,
+                 tensorboard: bool, jsonl: bool):
+        self.enabled = enabled
+        self.bar = self.tb = self.jsonl = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True,
+                            mininterval=1.0, smoothing=0.1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception as err:  # noqa: BLE001 - logging must not stop training
+                print(f"[train] TensorBoard disabled: {err}", flush=True)
+        if jsonl:
+            self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        if self.bar is not None and "loss" in record:
+            post = {"loss": f"{record.get('loss', float('nan')):.4f}"}
+            if "ratio" in record:
+                post["R"] = f"{record['ratio']:.2f}"
+            post["tok/s"] = f"{record.get('tokens_per_s', 0):.0f}"
+            self.bar.set_postfix(post, refresh=False)
+        if self.tb is not None:
+            for key, val in record.items():
+                if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and key != "step":
+                    self.tb.add_scalar(f"{'eval' if key.startswith('eval_') else 'train'}/{key}", val, step)
+            for key, val in (record.get("lr_groups") or {}).items():
+                self.tb.add_scalar(f"lr/{key}", val, step)
+            for li, row in enumerate(record.get("expert_load") or []):
+                for e, frac in enumerate(row):
+                    self.tb.add_scalar(f"expert_load/run{li:02d}/e{e:02d}", frac, step)
+            for reason, n in (record.get("skipped_samples") or {}).items():
+                self.tb.add_scalar(f"skipped_samples/{reason}", n, step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(_jsonable(record)) + "\n")
+            self.jsonl.flush()
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        self.bar = self.tb = self.jsonl = None
+
+
+def _jsonable(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)  # NaN/inf as strings keep the file strict JSON
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
