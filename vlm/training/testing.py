@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from vlm.training.distributed import free_port
 from vlm.training.train_config import REPO_ROOT, deep_merge
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -72,7 +73,7 @@ def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, lau
     elif launcher == "torchrun":
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "vlm.train"]
     elif launcher == "deepspeed":
-        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port()),
                "--module", "vlm.train"]
     else:
         raise ValueError(launcher)
@@ -86,12 +87,6 @@ def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, lau
         out, _ = proc.communicate()
         raise TimeoutError(f"{' '.join(cmd)} timed out after {timeout}s (hang?):\n{out[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def _free_port() -> int:
-    from vlm.training.distributed import _free_port as fp
-
-    return fp()
 
 
 def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
