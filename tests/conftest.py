@@ -49,6 +49,26 @@ def decisive(model: ConceptMoEForCausalLM, seed: int = 0) -> ConceptMoEForCausal
     return model
 
 
+def left_padded(B: int = 2, T: int = 20, pad: int = 6, seed: int = 1, vocab: int = 2048):
+    """Random ids [B, T]; row 1 is left-padded with ``pad`` zeros (attention_mask 0 there)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, am
+
+
+@torch.no_grad()
+def randomise_joint(model, std: float = 0.05):
+    """Joint projections start at zero; give them weights so that the concept path is exercised."""
+    for layer in model.model.layers:
+        if layer.attn.joint:
+            for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
+                lin.weight.normal_(0.0, std)
+    return model
+
+
 @pytest.fixture
 def tiny_model():
     """Factory: ``tiny_model(preset="tiny_concept", seed=0, **overrides)``."""

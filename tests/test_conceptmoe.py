@@ -11,23 +11,7 @@ from vlm.modeling.conceptmoe import compression_stats, concept_schedule
 V = 2048
 
 
-def left_padded(B: int = 2, T: int = 20, pad: int = 6, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (B, T), generator=g)
-    am = torch.ones(B, T, dtype=torch.long)
-    am[1, :pad] = 0
-    ids[1, :pad] = 0
-    return ids, am
-
-
-def randomise_joint(model, std: float = 0.05):
-    """Joint projections start at zero; give them weights so that the concept path is exercised."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.attn.joint:
-                for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
-                    lin.weight.normal_(0.0, std)
-    return model
+from conftest import left_padded, randomise_joint  # noqa: E402
 
 
 # causality ----------------------------------------------------------------------------------------

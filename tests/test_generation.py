@@ -10,22 +10,12 @@ from vlm.modeling.generation import sample_next
 V = 2048
 
 
+from conftest import randomise_joint  # noqa: E402
+from conftest import left_padded as _left_padded  # noqa: E402
+
+
 def left_padded(B: int = 2, T: int = 12, pad: int = 4, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (B, T), generator=g)
-    am = torch.ones(B, T, dtype=torch.long)
-    am[1, :pad] = 0
-    ids[1, :pad] = 0
-    return ids, am
-
-
-def randomise_joint(model, std: float = 0.05):
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.attn.joint:
-                for lin in (layer.attn.q_c_proj, layer.attn.k_c_proj, layer.attn.v_c_proj):
-                    lin.weight.normal_(0.0, std)
-    return model
+    return _left_padded(B, T, pad, seed)
 
 
 @torch.no_grad()
