@@ -86,9 +86,10 @@ def subprocess_env(args, data_eval_dir: str) -> dict:
         env["TRANSFORMERS_OFFLINE"] = "1"
     env["CMOE_DATA_DIR"] = os.path.abspath(data_eval_dir)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "MASTER_PORT" not in env:  # lmms-eval starts a process group: two runs at once must not share 29500
-        from vlm.training.distributed import free_port
-        env["MASTER_ADDR"], env["MASTER_PORT"] = env.get("MASTER_ADDR", "127.0.0.1"), str(free_port())
+    # lmms-eval starts a one-process group: give every run its own port, never an inherited one
+    # (two runs at once, or a parent that already holds MASTER_PORT, would collide)
+    from vlm.training.distributed import free_port
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(free_port())
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
