@@ -42,8 +42,8 @@ bench: $(DATA_STAMP)
 compare: $(DATA_STAMP)
 	$(PY) -m vlm.compare --config $(COMPARE)
 
-faults: $(DATA_STAMP)
-	$(PY) -m pytest tests -m faults $(PYTEST_ARGS)
+faults:
+	@echo "make faults: the fault-injection suite is not built yet (see README, Status)" >&2; exit 2
 
 clean:
 	rm -rf runs/ $(DATA_DIR)
