@@ -169,7 +169,7 @@ def per_seed_table(cfg: dict, agg: dict) -> str:
         m = agg[arm["id"]]
         for i, seed in enumerate(m["text_loss"]["seeds"]):
             vals = [m[k]["values"][i] for k, _ in keys]
-            cells = [f.format(v) if _real(v) else "n/a" for v, (_, f) in zip(vals, keys)]
+            cells = [f.format(v) if _real(v) else "n/a" for v, (_, f) in zip(vals, keys, strict=True)]
             lines.append(f"| {arm['id']} | {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -308,6 +308,7 @@ def write_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: 
             data_checks.append({"seed": seed, "same_data_order": len(fps) == 1 and None not in fps,
                                 "fingerprint": sorted(str(f) for f in fps), "tokens_seen": sorted(toks),
                                 "same_tokens": len(toks) == 1})
+    run_wall = sum(float(r.get("wall_s") or 0.0) for r in results)
     png = out / "loss_curves.png"
     have_png = bool(results) and loss_png(cfg, by_arm, png)
     t = raw.get("train") or {}
@@ -323,7 +324,9 @@ def write_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: 
             tables += "\n\n## Paired differences (same seed = same data order)\n\n" + paired_table(pairs)
     md = [f"# vlm.compare report: {cfg['name']}", "",
           (f"Config `{cfg['source']}`; seeds {seeds}; token budget per arm: {budget}; "
-           f"{time.strftime('%Y-%m-%d %H:%M')}; wall {wall_s / 60:.1f} min."), "",
+           f"{time.strftime('%Y-%m-%d %H:%M')}; this call {wall_s / 60:.1f} min wall; the {len(results)} runs "
+           f"took {run_wall / 60:.1f} min of process wall time in all (reused runs included; "
+           f"{cfg['jobs']} at a time)."), "",
           ("All arms within tolerance (3% activated FLOPs, 1% total params) of arm a." if match_ok else
            "**WARNING: at least one arm is OUTSIDE the matching tolerance (3% activated FLOPs / 1% params).**"), "",
           tables]
@@ -345,12 +348,15 @@ def write_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: 
             f"`{cfg['eval']['text']}` (first {cfg['eval']['text_max_tokens']} tokens, non-overlapping windows). "
             "VQA: held-out digits split, greedy, exact match; eval R on the VQA prompts is tokens / concepts "
             "(image / text tokens separately)."),
-           "- Arm c uses arm b's architecture with a boundary every round(R) tokens (`boundary_mode: fixed`)."]
+           "- Arm c uses arm b's architecture with a boundary every round(R) tokens (`boundary_mode: fixed`).",
+           ("- Verdicts: differences are paired by seed (same data order and init seed); 'better' / 'worse' when "
+            "the mean difference exceeds one standard deviation of the per-seed differences, else 'within seed "
+            "spread'; with one seed there is no spread and the verdict is only the sign.")]
     (out / "report.md").write_text("\n".join(md) + "\n")
     report = {"name": cfg["name"], "config": cfg["source"], "seeds": seeds, "seq_len": seq_len,
               "tolerances": {"activated_flops": FLOP_TOL, "params": PARAM_TOL}, "match_ok": match_ok,
-              "budget": budget, "wall_s": wall_s, "arms": rows, "metrics": agg, "paired": pairs,
-              "data_checks": data_checks, "loss_png": png.name if have_png else None,
+              "budget": budget, "wall_s": wall_s, "runs_wall_s": run_wall, "arms": rows, "metrics": agg,
+              "paired": pairs, "data_checks": data_checks, "loss_png": png.name if have_png else None,
               "runs": results}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     return {"match_ok": match_ok, "markdown_tables": tables, "report": report}
