@@ -33,11 +33,17 @@ USER_ROLES = {"human", "user"}
 ASSISTANT_ROLES = {"gpt", "assistant"}
 
 # reasons a record can be skipped (readers, encoder, collator); others may appear
+# (missing_key also covers a key of the wrong type: a turn's value that is a number, a list of
+# non-parts, null, ...; bad_role covers a role that is not one of the known strings)
 SKIP_REASONS = (
     "bad_json_line", "missing_key", "empty_conversation", "bad_role", "missing_image",
     "corrupt_image", "image_too_large", "placeholder_mismatch", "non_utf8", "corrupt_shard",
-    "tokenization_mismatch", "too_long",
+    "tokenization_mismatch", "too_long", "empty_text",
 )
+
+# what json.loads raises on bad input: JSONDecodeError, ValueError (an integer literal longer
+# than Python's int_max_str_digits) and RecursionError (arrays / objects nested too deeply)
+JSON_ERRORS = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -50,33 +56,60 @@ class Skip:
 
 
 def turn_role_and_text(turn: dict) -> tuple[str, str]:
-    """('user'|'assistant', text) for a LLaVA turn {"from","value"} or HF message {"role","content"}."""
+    """('user'|'assistant', text) for a LLaVA turn {"from","value"} or HF message {"role","content"}.
+
+    Raises KeyError (no role / text), TypeError (text that is not a string or a list of HF
+    content parts, e.g. a number) or ValueError (unknown role), each with a one-line message.
+    """
+    if not isinstance(turn, dict):
+        raise TypeError(f"a turn must be an object, got {type(turn).__name__}")
     role = turn.get("from", turn.get("role"))
     text = turn.get("value", turn.get("content"))
     if role is None or text is None:
         raise KeyError("turn needs 'from'/'value' (or 'role'/'content')")
     if isinstance(text, list):  # HF multimodal content: [{"type": "image"}, {"type": "text", ...}]
-        text = "".join(IMAGE_TOKEN + "\n" if part.get("type") == "image" else str(part.get("text", ""))
-                       for part in text)
-    if role in USER_ROLES:
-        return "user", str(text)
-    if role in ASSISTANT_ROLES:
-        return "assistant", str(text)
-    raise ValueError(f"unknown role {role!r}")
+        pieces = []
+        for part in text:
+            if not isinstance(part, dict):
+                raise TypeError(f"content part must be an object, got {type(part).__name__}")
+            if part.get("type") == "image":
+                pieces.append(IMAGE_TOKEN + "\n")
+                continue
+            piece = part.get("text", "")
+            if not isinstance(piece, str):
+                raise TypeError(f"content part 'text' must be a string, got {type(piece).__name__}")
+            pieces.append(piece)
+        text = "".join(pieces)
+    elif not isinstance(text, str):
+        raise TypeError(f"turn text must be a string, got {type(text).__name__}")
+    if isinstance(role, str) and role in USER_ROLES:
+        return "user", text
+    if isinstance(role, str) and role in ASSISTANT_ROLES:
+        return "assistant", text
+    raise ValueError(f"unknown role {_short_repr(role)}")
+
+
+def _short_repr(value, limit: int = 60) -> str:
+    text = repr(value) if not isinstance(value, (list, dict)) else f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def has_surrogates(value) -> bool:
-    """True if any string inside `value` holds undecodable bytes (from errors='surrogateescape')."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return False
-        except UnicodeEncodeError:
-            return True
-    if isinstance(value, dict):
-        return any(has_surrogates(k) or has_surrogates(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(has_surrogates(v) for v in value)
+    """True if any string inside `value` holds undecodable bytes (from errors='surrogateescape')
+    or a lone surrogate (a JSON "\\ud800" escape). Iterative: any nesting depth is fine."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 
@@ -97,6 +130,8 @@ def check_conversation(conversations, num_images: int, sample_id: str) -> Skip |
         try:
             role, text = turn_role_and_text(turn)
         except KeyError as err:
+            return Skip("missing_key", sample_id, str(err.args[0]))
+        except TypeError as err:
             return Skip("missing_key", sample_id, str(err))
         except ValueError as err:
             return Skip("bad_role", sample_id, str(err))

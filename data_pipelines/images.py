@@ -8,7 +8,8 @@ decompression bomb never allocates its pixels.
 `to_rgb` maps every PIL mode we meet in the wild to 8-bit RGB:
 L/1 -> replicated gray; LA/RGBA/PA and P with transparency -> alpha-composited on white;
 CMYK/YCbCr/LAB/HSV -> PIL's conversion; I;16* (16-bit, or mode I with values > 255) -> divided
-by 257 (0..65535 -> 0..255); other I / F -> clipped to 0..255.
+by 257 (0..65535 -> 0..255); other I / F -> clipped to 0..255 (NaN -> 0, +-inf -> 255 / 0).
+Every decodable mode is converted and kept (what LLaVA users expect), none is skipped.
 
 `ImageTransform` is the model-side preprocessing: RGB -> Resize(image_size x image_size,
 bicubic or nearest) -> ToTensor -> Normalize(mean, std). It is a plain picklable class so
@@ -36,7 +37,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if mode == "RGB":
         return image
     if mode.startswith("I;16") or mode in ("I", "F"):
-        array = np.asarray(image).astype(np.float64)
+        array = np.nan_to_num(np.asarray(image).astype(np.float64), nan=0.0, posinf=255.0 * 257, neginf=0.0)
         if mode.startswith("I;16") or (mode == "I" and array.max(initial=0) > 255):
             array = array / 257.0  # 16-bit data (PIL opens some 16-bit files as mode "I")
         array = np.clip(np.rint(array), 0, 255).astype(np.uint8)
@@ -44,6 +45,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
         mode = image.mode
+    if mode == "La":  # premultiplied: PIL converts it to LA only
+        image = image.convert("LA")
     if mode in ("LA", "PA", "RGBa", "La"):
         image = image.convert("RGBA")
         mode = "RGBA"
@@ -68,6 +71,8 @@ def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?
             image = opener()
         try:
             width, height = image.size  # header only, nothing decoded yet
+            if width < 1 or height < 1:
+                return Skip("corrupt_image", sample_id, f"empty image ({width}x{height})")
             if width * height > max_pixels:
                 return Skip("image_too_large", sample_id, f"{width}x{height} > {max_pixels} pixels")
             image.load()

@@ -26,7 +26,7 @@ import os
 import numpy as np
 from torch.utils.data import Dataset
 
-from .common import Skip, check_conversation, has_surrogates
+from .common import JSON_ERRORS, Skip, check_conversation, has_surrogates
 from .images import DEFAULT_MAX_PIXELS, load_image
 
 
@@ -63,12 +63,12 @@ class LlavaJsonDataset(Dataset):
             text = f.read().decode("utf-8", errors="surrogateescape")
         try:
             records = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{self.path}: not a valid JSON list ({err})") from err
+        except JSON_ERRORS as err:
+            raise ValueError(f"{self.path}: not a valid JSON list ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
         if not isinstance(records, list):
             raise ValueError(f"{self.path}: top-level JSON must be a list of records")
-        # ensure_ascii=True keeps undecodable bytes as \\udcXX escapes -> detected per record
-        encoded = [json.dumps(r, ensure_ascii=True).encode("ascii") for r in records]
+        encoded = [_encode_record(r) for r in records]
         self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
         self._starts = self._ends - np.asarray([len(e) for e in encoded], dtype=np.int64)
         self._blob = b"".join(encoded)
@@ -90,11 +90,12 @@ class LlavaJsonDataset(Dataset):
         raw = self._raw(index)
         try:
             record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-        except json.JSONDecodeError as err:
-            return Skip("bad_json_line", fallback_id, str(err))
+        except JSON_ERRORS as err:  # also too deep nesting / too long integer literals
+            return Skip("bad_json_line", fallback_id, f"{type(err).__name__}: {err}")
         if not isinstance(record, dict):
             return Skip("bad_json_line", fallback_id, "record is not a JSON object")
-        sample_id = str(record.get("id", fallback_id))
+        raw_id = record.get("id")
+        sample_id = str(raw_id) if isinstance(raw_id, (str, int, float)) else fallback_id
         if has_surrogates(record):
             return Skip("non_utf8", sample_id, "record contains bytes that are not UTF-8")
         if "conversations" not in record:
@@ -118,3 +119,13 @@ class LlavaJsonDataset(Dataset):
                 return image
             images.append(image)
         return {"id": sample_id, "conversations": record["conversations"], "images": images}
+
+
+def _encode_record(record) -> bytes:
+    """One record of a JSON list as ASCII JSON bytes for the blob. ensure_ascii=True keeps
+    undecodable bytes as \\udcXX escapes (detected per record); a record too deeply nested to
+    re-encode is stored as empty bytes, which reads back as a `bad_json_line` skip."""
+    try:
+        return json.dumps(record, ensure_ascii=True).encode("ascii")
+    except (RecursionError, ValueError):
+        return b""

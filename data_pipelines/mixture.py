@@ -110,6 +110,9 @@ class MixtureDataset(Dataset):
             raise ValueError("need one weight per dataset and at least one dataset")
         self.datasets, self.weights, self.encoder = list(datasets), list(weights), encoder
         self.names = list(names) if names else [getattr(d, "name", f"d{i}") for i, d in enumerate(datasets)]
+        if not any(len(d) > 0 and w > 0 for d, w in zip(self.datasets, self.weights)):
+            sizes = ", ".join(f"{n}={len(d)} (weight {w})" for n, d, w in zip(self.names, self.datasets, self.weights))
+            raise ValueError(f"no records to draw from: every dataset is empty or has weight 0 ({sizes})")
         self.block_size, self.shuffle = block_size, shuffle
         self.set_seed(seed)
 

@@ -11,8 +11,9 @@
   truncates to max_length).
 
 Bad bytes policy (documented choice): a chunk / line that is not valid UTF-8 is SKIPPED and
-counted as `non_utf8`; NUL bytes are CLEANED (removed) silently. Other reasons:
-`bad_json_line` (JSONL line that is not JSON), `missing_key` (no string "text"),
+counted as `non_utf8` (so is a JSONL text with a lone-surrogate escape such as "\\ud800");
+NUL bytes are CLEANED (removed) silently. Other reasons: `bad_json_line` (JSONL line that is not
+JSON, nested too deeply, or with an integer literal too long for Python), `missing_key` (no string "text"),
 `empty_text` (nothing but whitespace). Nothing raises mid-run.
 """
 
@@ -25,7 +26,7 @@ import os
 import numpy as np
 from torch.utils.data import Dataset
 
-from .common import Skip
+from .common import JSON_ERRORS, Skip, has_surrogates
 
 
 def _utf8_boundary(data: bytes, pos: int) -> int:
@@ -121,12 +122,15 @@ class TextCorpusDataset(Dataset):
         if self.is_jsonl:
             try:
                 record = json.loads(text)
-            except json.JSONDecodeError as err:
-                return Skip("bad_json_line", sample_id, str(err))
+            except JSON_ERRORS as err:  # also too deep nesting / too long integer literals
+                return Skip("bad_json_line", sample_id, f"{type(err).__name__}: {err}")
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 return Skip("missing_key", sample_id, "no string 'text'")
-            sample_id = str(record.get("id", sample_id))
+            if isinstance(record.get("id"), (str, int, float)):
+                sample_id = str(record["id"])
             text = record["text"]
+            if has_surrogates(text):  # a JSON "\\ud800" escape: not encodable text
+                return Skip("non_utf8", sample_id, "text holds a lone surrogate")
         text = text.replace("\x00", "")
         if not text.strip():
             return Skip("empty_text", sample_id, "only whitespace")

@@ -34,7 +34,7 @@ import random
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .common import Skip, check_conversation
+from .common import JSON_ERRORS, Skip, check_conversation, has_surrogates
 from .images import DEFAULT_MAX_PIXELS, load_image
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
@@ -126,8 +126,10 @@ class WebDatasetShards(IterableDataset):
                 payload = json.loads(sample["json"].decode("utf-8"))
             except UnicodeDecodeError as err:
                 return Skip("non_utf8", key, str(err))
-            except json.JSONDecodeError as err:
-                return Skip("bad_json_line", key, str(err))
+            except JSON_ERRORS as err:  # also too deep nesting / too long integer literals
+                return Skip("bad_json_line", key, f"{type(err).__name__}: {err}")
+            if has_surrogates(payload):  # a JSON "\\ud800" escape: not encodable text
+                return Skip("non_utf8", key, "json holds a lone surrogate")
             conversations = payload.get("conversations") if isinstance(payload, dict) else payload
             if conversations is None:
                 return Skip("missing_key", key, "json without 'conversations'")
