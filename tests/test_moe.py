@@ -1,5 +1,10 @@
-"""vlm/modeling/moe.py: dropless sorted dispatch vs the per-expert loop, stats, padding."""
+"""vlm/modeling/moe.py: dropless sorted dispatch vs the per-expert loop, stats, padding.
+
+Every test runs on ``VLM_TEST_DEVICE`` (fp32; see tests/_device.py); on CUDA the bf16 sorted dispatch
+(``torch._grouped_mm``) is also checked against the fp32 loop."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -7,6 +12,10 @@ import torch.nn.functional as F
 
 from vlm.config import MoEConfig
 from vlm.modeling.moe import MoEFeedForward, init_moe_weights
+
+from _device import DEVICE, cuda_only, dev, require_test_device, tol  # noqa: E402, F401
+
+pytestmark = pytest.mark.device
 
 D = 32
 
@@ -18,7 +27,7 @@ def make_moe(shared: int = 0, dispatch: str = "sorted", seed: int = 0, **kw) -> 
     moe = MoEFeedForward(D, cfg)
     init_moe_weights(moe, std=0.2)
     torch.nn.init.normal_(moe.router.weight, std=0.5)
-    return moe
+    return moe.to(DEVICE)
 
 
 def dense_reference(moe: MoEFeedForward, x_ND: torch.Tensor) -> torch.Tensor:
@@ -39,11 +48,11 @@ def dense_reference(moe: MoEFeedForward, x_ND: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shared", [0, 16])
 def test_forward_matches_dense_reference(shared):
     moe = make_moe(shared)
-    x = torch.randn(3, 7, D)
+    x = dev(torch.randn(3, 7, D))
     y, stats = moe(x)
     ref = dense_reference(moe, x.reshape(-1, D)).view(3, 7, D)
     assert y.abs().mean() > 1e-2  # not trivially zero
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, ref, **tol(1e-5, 1e-5))
 
 
 @pytest.mark.parametrize("shared", [0, 16])
@@ -57,34 +66,35 @@ def test_sorted_equals_loop_forward_and_grads(shared, padded):
     if padded:
         valid[0, :4] = False
         valid[1, -2:] = False
+    x, valid = dev(x, valid)
     outs = []
     for moe in (sorted_moe, loop_moe):
         xi = x.clone().requires_grad_()
         y, stats = moe(xi, valid if padded else None)
-        g_out = torch.randn_like(y, generator=torch.Generator().manual_seed(1))
+        g_out = dev(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
         loss = (y * g_out).sum() + stats.lb_loss + stats.z_loss
         grads = torch.autograd.grad(loss, [xi] + list(moe.parameters()))
         outs.append((y, stats, grads))
     (y1, s1, g1), (y2, s2, g2) = outs
-    torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
     assert torch.equal(s1.tokens_per_expert, s2.tokens_per_expert)
-    torch.testing.assert_close(s1.lb_loss, s2.lb_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s1.lb_loss, s2.lb_loss, **tol(1e-6, 1e-6))
     names = ["input"] + [n for n, _ in sorted_moe.named_parameters()]
     assert len(g1) == len(names) == 1 + 4 + (3 if shared else 0)  # input, router, 3 expert stacks, shared
     for name, a, b in zip(names, g1, g2):
         assert a.abs().sum() > 0, name  # every weight gets a gradient
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, **tol(1e-5, 1e-5), msg=name)
 
 
 def test_tokens_per_expert_counts_real_assignments():
     moe = make_moe()
-    x = torch.randn(2, 10, D)
+    x = dev(torch.randn(2, 10, D))
     _, stats = moe(x)
     assert stats.tokens_per_expert.dtype == torch.long
     assert int(stats.tokens_per_expert.sum()) == 2 * 10 * moe.top_k
     valid = torch.ones(2, 10, dtype=torch.bool)
     valid[0, :3] = False
-    _, stats = moe(x, valid)
+    _, stats = moe(x, dev(valid))
     assert int(stats.tokens_per_expert.sum()) == 17 * moe.top_k
 
 
@@ -95,12 +105,13 @@ def test_padding_excluded_from_outputs_and_stats():
     x = torch.randn(2, 8, D)
     valid = torch.ones(2, 8, dtype=torch.bool)
     valid[1, :5] = False
+    x, valid = dev(x, valid)
     y, stats = moe(x, valid)
     x_junk = x.clone()
     x_junk[~valid] = 100.0 * torch.randn_like(x_junk[~valid])
     y_junk, stats_junk = moe(x_junk, valid)
     y_real, stats_real = moe(x[valid][None])
-    torch.testing.assert_close(y[valid], y_real[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y[valid], y_real[0], **tol(1e-6, 1e-6))
     torch.testing.assert_close(y_junk, y, atol=0, rtol=0)
     assert torch.equal(y[~valid], torch.zeros_like(y[~valid]))
     for s in (stats, stats_junk):
@@ -111,7 +122,7 @@ def test_padding_excluded_from_outputs_and_stats():
 
 def test_losses_match_formula():
     moe = make_moe()
-    x = torch.randn(4, 5, D)
+    x = dev(torch.randn(4, 5, D))
     _, stats = moe(x)
     x_ND = x.reshape(-1, D)
     logits = x_ND @ moe.router.weight.T
@@ -126,7 +137,7 @@ def test_losses_match_formula():
 
 def test_lb_loss_gradient_reaches_router():
     moe = make_moe()
-    _, stats = moe(torch.randn(2, 6, D))
+    _, stats = moe(dev(torch.randn(2, 6, D)))
     (g,) = torch.autograd.grad(stats.lb_loss + stats.z_loss, [moe.router.weight])
     assert g.abs().sum() > 0
 
@@ -134,7 +145,7 @@ def test_lb_loss_gradient_reaches_router():
 def test_all_padding_row_block():
     """A batch whose mask is all False (e.g. an empty micro-batch) still runs: zeros out, finite losses."""
     moe = make_moe()
-    y, stats = moe(torch.randn(1, 4, D), torch.zeros(1, 4, dtype=torch.bool))
+    y, stats = moe(*dev(torch.randn(1, 4, D), torch.zeros(1, 4, dtype=torch.bool)))
     assert torch.equal(y, torch.zeros_like(y))
     assert torch.isfinite(stats.lb_loss) and torch.isfinite(stats.z_loss)
     assert int(stats.tokens_per_expert.sum()) == 0
@@ -144,5 +155,79 @@ def test_model_level_dispatch_equivalence(tiny_model):
     sorted_m = tiny_model("tiny")
     loop_m = tiny_model("tiny", moe_dispatch="loop")
     loop_m.load_state_dict(sorted_m.state_dict())
-    ids = torch.randint(1, 2048, (2, 12))
-    torch.testing.assert_close(sorted_m(ids).logits, loop_m(ids).logits, atol=1e-5, rtol=1e-5)
+    sorted_m, loop_m = dev(sorted_m, loop_m)
+    ids = dev(torch.randint(1, 2048, (2, 12)))
+    torch.testing.assert_close(sorted_m(ids).logits, loop_m(ids).logits, **tol(1e-5, 1e-5))
+
+
+# CUDA bf16: torch._grouped_mm ---------------------------------------------------------------------
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# bf16 rounds to 8 mantissa bits (~2e-3 relative); the grouped GEMM accumulates in fp32 and rounds
+# its three outputs, so the whole SwiGLU is ~1e-2 relative off the fp32 loop at worst
+BF16_REL = 2e-2
+
+
+@cuda_only
+@pytest.mark.parametrize("n_tokens, padded", [(256, False), (240, True), (3, False)],
+                         ids=["256tok", "240tok-padded", "3tok-empty-experts"])
+def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
+    """On CUDA in bf16 the sorted dispatch is one ``torch._grouped_mm`` per projection. Same routing
+    (the bf16 module's), same bf16-rounded weights and inputs: its outputs and the gradients w.r.t.
+    the input, the routing weights and the three expert stacks equal the fp32 per-expert loop
+    within bf16 accuracy. 3 tokens x top-2 over 8 experts leaves most groups empty (offs repeat).
+    The full module (router, stats, padding) in bf16 then matches the bf16 loop module."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    Dg, E, I = 64, 8, 48  # 16-byte aligned rows, as the grouped GEMM requires
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=E, top_k=2, moe_intermediate_size=I, moe_dispatch="sorted")
+    moe = MoEFeedForward(Dg, cfg)
+    init_moe_weights(moe, std=0.1)
+    torch.nn.init.normal_(moe.router.weight, std=0.5)
+    moe_bf = moe.to(DEVICE, torch.bfloat16)
+    ref = copy.deepcopy(moe_bf).float()  # exactly the bf16 values, in fp32
+    x = dev(torch.randn(n_tokens, Dg)).bfloat16()
+
+    with torch.no_grad():
+        _, _, w_NK, e_NK = moe_bf.route(x)
+    xg, wg = x.clone().requires_grad_(), w_NK.clone().requires_grad_()
+    xr, wr = x.float().requires_grad_(), w_NK.clone().requires_grad_()
+    y_g, counts_g = moe_bf.experts_sorted(xg, wg, e_NK)
+    assert len(calls) == 3, "the bf16 CUDA dispatch did not take torch._grouped_mm"
+    y_r, counts_r = ref.experts_loop(xr, wr, e_NK)
+    assert y_g.dtype == torch.bfloat16 and torch.equal(counts_g, counts_r)
+    assert (counts_g == 0).any() if n_tokens == 3 else (counts_g > 0).all()
+    assert _rel_err(y_g, y_r) < BF16_REL, _rel_err(y_g, y_r)
+    torch.testing.assert_close(y_g.float(), y_r, **tol(0, dtype=torch.bfloat16))
+    g_out = dev(torch.randn(y_r.shape, generator=torch.Generator().manual_seed(1)))
+    grads_g = torch.autograd.grad((y_g.float() * g_out).sum(), [xg, wg, moe_bf.w_gate, moe_bf.w_up, moe_bf.w_down])
+    grads_r = torch.autograd.grad((y_r * g_out).sum(), [xr, wr, ref.w_gate, ref.w_up, ref.w_down])
+    for name, a, b in zip(["input", "routing weights", "w_gate", "w_up", "w_down"], grads_g, grads_r):
+        assert torch.isfinite(a).all(), name
+        if b.abs().sum() == 0:  # an expert stack no token reached (3 tokens): zero both ways
+            assert a.abs().sum() == 0, name
+            continue
+        assert _rel_err(a, b) < BF16_REL, (name, _rel_err(a, b))
+
+    # the whole module in bf16 (router, padding, stats): grouped dispatch == the bf16 loop
+    loop_bf = copy.deepcopy(moe_bf)
+    loop_bf.dispatch = "loop"
+    valid = None
+    if padded:
+        valid = torch.ones(2, n_tokens // 2, dtype=torch.bool)
+        valid[0, :7] = False
+        valid[1, -5:] = False
+        valid = dev(valid)
+    x_BTD = x.view(2, n_tokens // 2, Dg) if padded else x[None]
+    with torch.no_grad():
+        (y1, s1), (y2, s2) = moe_bf(x_BTD, valid), loop_bf(x_BTD, valid)
+    assert torch.equal(s1.tokens_per_expert, s2.tokens_per_expert)
+    assert torch.isfinite(s1.lb_loss) and torch.isfinite(s1.z_loss)
+    assert _rel_err(y1, y2) < BF16_REL, _rel_err(y1, y2)
+    if padded:
+        assert torch.equal(y1[~valid], torch.zeros_like(y1[~valid]))
