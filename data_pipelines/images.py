@@ -1,7 +1,8 @@
 """Safe image loading and the model's image transform.
 
 `load_image` never raises on bad data: it returns a PIL RGB image or a `Skip` with reason
-`missing_image`, `corrupt_image` or `image_too_large`. The size guard reads only the image
+`missing_image`, `corrupt_image` (also: an empty file, not an image, truncated, a 0-pixel image, a
+format outside `IMAGE_FORMATS`) or `image_too_large`. The size guard reads only the image
 header (width x height) and refuses anything above `max_pixels` *before* decoding, so a
 decompression bomb never allocates its pixels.
 
@@ -29,6 +30,19 @@ from torchvision import transforms
 from .common import Skip
 
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own Image.MAX_IMAGE_PIXELS default (~ 9459 x 9459)
+# The decoders `load_image` lets PIL try: the formats image datasets use. Anything else (EPS, which
+# PIL renders by running Ghostscript; formats that PIL identifies by heuristics, such as TGA, so
+# that random bytes can "decode") is a `corrupt_image` skip ("cannot identify image file").
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+_OPEN_FORMATS: list[str] = []
+
+
+def _open_formats() -> list[str]:
+    """IMAGE_FORMATS that this PIL build can open (PIL registers its plugins lazily)."""
+    if not _OPEN_FORMATS:
+        Image.init()
+        _OPEN_FORMATS.extend(f for f in IMAGE_FORMATS if f in Image.OPEN)
+    return _OPEN_FORMATS
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -62,9 +76,9 @@ def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             return Skip("missing_image", sample_id, str(source))
-        opener = lambda: Image.open(source)
+        opener = lambda: Image.open(source, formats=_open_formats())
     else:
-        opener = lambda: Image.open(io.BytesIO(source))
+        opener = lambda: Image.open(io.BytesIO(source), formats=_open_formats())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
