@@ -1,10 +1,16 @@
-"""vlm/modeling/dechunk.py: EMA (loop vs blocked scan), STE, the causal read rule, dechunk."""
+"""vlm/modeling/dechunk.py: EMA (loop vs blocked scan), STE, the causal read rule, dechunk.
+
+Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from vlm.modeling.dechunk import dechunk, ema_reference, ema_scan, read_index, ste
+
+from _device import DEVICE, dev, require_test_device, tol  # noqa: E402, F401
+
+pytestmark = pytest.mark.device
 
 
 def _probs(B: int, M: int, seed: int = 0) -> torch.Tensor:
@@ -22,30 +28,30 @@ def test_scan_equals_reference_forward_and_grads(M, block):
     """Long M over several blocks, M not a multiple of the block, p exactly 0 and 1: equal within
     1e-5, and so are the gradients w.r.t. the concepts and w.r.t. p."""
     B, D = 2, 8
-    c = torch.randn(B, M, D, generator=torch.Generator().manual_seed(1))
-    p = _probs(B, M)
+    c = dev(torch.randn(B, M, D, generator=torch.Generator().manual_seed(1)))
+    p = dev(_probs(B, M))
     c1, p1 = c.clone().requires_grad_(), p.clone().requires_grad_()
     c2, p2 = c.clone().requires_grad_(), p.clone().requires_grad_()
     y1, y2 = ema_reference(c1, p1), ema_scan(c2, p2, block=block)
-    torch.testing.assert_close(y2, y1, atol=1e-5, rtol=1e-5)
-    g = torch.randn(B, M, D, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(y2, y1, **tol(1e-5, 1e-5))
+    g = dev(torch.randn(B, M, D, generator=torch.Generator().manual_seed(2)))
     (y1 * g).sum().backward()
     (y2 * g).sum().backward()
-    torch.testing.assert_close(c2.grad, c1.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(p2.grad, p1.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c2.grad, c1.grad, **tol(1e-5, 1e-5))
+    torch.testing.assert_close(p2.grad, p1.grad, **tol(1e-5, 1e-5))
     assert p1.grad.abs().sum() > 0
 
 
 def test_ema_recursion_by_hand():
-    c = torch.tensor([[[1.0], [3.0], [5.0]]])
-    p = torch.tensor([[1.0, 0.5, 0.0]])
-    want = torch.tensor([[[1.0], [2.0], [2.0]]])  # 1; 0.5*3 + 0.5*1; 0*5 + 1*2
+    c = dev(torch.tensor([[[1.0], [3.0], [5.0]]]))
+    p = dev(torch.tensor([[1.0, 0.5, 0.0]]))
+    want = dev(torch.tensor([[[1.0], [2.0], [2.0]]]))  # 1; 0.5*3 + 0.5*1; 0*5 + 1*2
     for fn in (ema_reference, ema_scan):
         torch.testing.assert_close(fn(c, p), want)
 
 
 def test_ste_forward_exactly_one_gradient_one():
-    s = torch.tensor([0.0, 1e-8, 0.3, 0.5, 0.999999, 1.0], requires_grad=True)
+    s = torch.tensor([0.0, 1e-8, 0.3, 0.5, 0.999999, 1.0], device=DEVICE, requires_grad=True)
     out = ste(s)
     assert torch.equal(out, torch.ones_like(s))
     out.sum().backward()
@@ -53,15 +59,15 @@ def test_ste_forward_exactly_one_gradient_one():
 
 
 def test_read_index_rules():
-    index = torch.tensor([[-1, 0, 0, 1, 2, 2]])
+    index = dev(torch.tensor([[-1, 0, 0, 1, 2, 2]]))
     idx, ok = read_index(index, None, None, "last")
     assert idx.tolist() == [[0, 0, 0, 1, 2, 2]] and ok.tolist() == [[False, True, True, True, True, True]]
     idx, ok = read_index(index, None, None, "sum")  # previous (completed) chunk
     assert ok.tolist() == [[False, False, False, True, True, True]]
     assert idx[ok].tolist() == [0, 1, 1]
     # "sum" never reads a chunk of another packed segment
-    seg_M = torch.tensor([[0, 0, 1]])
-    seg_T = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    seg_M = dev(torch.tensor([[0, 0, 1]]))
+    seg_T = dev(torch.tensor([[0, 0, 0, 0, 1, 1]]))
     idx, ok = read_index(index, seg_M, seg_T, "sum")
     assert ok.tolist() == [[False, False, False, True, False, False]]
 
@@ -69,17 +75,17 @@ def test_read_index_rules():
 @pytest.mark.parametrize("merge", ["last", "sum"])
 def test_dechunk_output_and_gradient_to_p(merge):
     B, T, M, D = 1, 6, 3, 4
-    h = torch.randn(B, T, D)
-    c_hat = torch.randn(B, M, D)
-    b = torch.tensor([[True, False, True, False, False, True]])
+    h = dev(torch.randn(B, T, D))
+    c_hat = dev(torch.randn(B, M, D))
+    b = dev(torch.tensor([[True, False, True, False, False, True]]))
     index = b.long().cumsum(1) - 1
-    p = torch.tensor([[1.0, 0.2, 0.8, 0.1, 0.3, 0.9]], requires_grad=True)
-    cp = torch.tensor([[1.0, 0.8, 0.9]])
+    p = torch.tensor([[1.0, 0.2, 0.8, 0.1, 0.3, 0.9]], device=DEVICE, requires_grad=True)
+    cp = dev(torch.tensor([[1.0, 0.8, 0.9]]))
     z, read = dechunk(h, c_hat, cp, p, b, index, merge)
     ema = ema_reference(c_hat, cp)
     src = index[0] if merge == "last" else index[0] - 1
     for t in range(T):
-        want = ema[0, src[t]] if src[t] >= 0 else torch.zeros(D)
+        want = ema[0, src[t]] if src[t] >= 0 else torch.zeros(D, device=DEVICE)
         torch.testing.assert_close(read[0, t], want)
         torch.testing.assert_close(z[0, t], h[0, t] + want)  # STE factor is exactly 1
     # the gradient reaches p through the STE: d z / d p = +read (boundary) or -read (non-boundary)
@@ -87,4 +93,4 @@ def test_dechunk_output_and_gradient_to_p(merge):
     sign = torch.where(b, 1.0, -1.0)
     torch.testing.assert_close(g, sign * read.sum(-1).detach())
     z2, _ = dechunk(h, c_hat, cp, p, b, index, merge, scan=False)
-    torch.testing.assert_close(z2, z, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(z2, z, **tol(1e-6, 1e-6))
