@@ -1,5 +1,9 @@
 """vlm/modeling/chunking.py: router, forced boundaries, sharpening, ratio loss, concepts; and a short
-training run showing the ratio loss moves the achieved compression to the target."""
+training run showing the ratio loss moves the achieved compression to the target.
+
+Tests marked ``device`` run on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py); the two statistical
+ones (tau = 6 flip rate, the short training run) and the noise test stay on the CPU: their seeded
+bounds were set on the CPU generator's stream."""
 from __future__ import annotations
 
 import time
@@ -12,6 +16,8 @@ from vlm.config import ChunkingConfig
 from vlm.modeling.chunking import (IMAGE, TEXT, ChunkModule, boundary_prob, forced_boundaries, ratio_loss,
                                    sharpen)
 
+from _device import DEVICE, dev, require_test_device  # noqa: E402, F401
+
 D = 16
 
 
@@ -20,27 +26,30 @@ def chunker(**kw) -> ChunkModule:
 
 
 # router -------------------------------------------------------------------------------------------
+@pytest.mark.device
 def test_boundary_prob_formula_and_identity_init():
-    ch = chunker(router_init="random")
-    h = torch.randn(2, 6, D)
+    ch = dev(chunker(router_init="random"))
+    h = dev(torch.randn(2, 6, D))
     p = ch.probs(h)
     q, k = h @ ch.q_proj.weight.T, h @ ch.k_proj.weight.T
     ref = 0.5 * (1 - F.cosine_similarity(q[:, 1:], k[:, :-1], dim=-1))
     torch.testing.assert_close(p[:, 1:], ref)
     assert p.dtype == torch.float32 and bool(((p >= 0) & (p <= 1)).all())
-    ident = chunker(router_init="identity")
-    assert torch.equal(ident.q_proj.weight, torch.eye(D)) and torch.equal(ident.k_proj.weight, torch.eye(D))
+    ident = dev(chunker(router_init="identity"))
+    eye = dev(torch.eye(D))
+    assert torch.equal(ident.q_proj.weight, eye) and torch.equal(ident.k_proj.weight, eye)
     # identical consecutive vectors: p = 0; opposite: p = 1
-    x = torch.randn(D)
+    x = dev(torch.randn(D))
     h = torch.stack([x, x, -x])[None]
     assert ident.probs(h)[0, 1:].tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
-    assert boundary_prob(-torch.ones(1, 3), torch.ones(1, 3)).item() == 1.0  # clamped
+    assert boundary_prob(*dev(-torch.ones(1, 3), torch.ones(1, 3))).item() == 1.0  # clamped
 
 
+@pytest.mark.device
 def test_sharpen_formula():
-    p = torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+    p = dev(torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]))
     tau = 6.0
-    ref = torch.tensor([1 - (1 - v) ** (1 / tau) if v < 0.5 else v ** (1 / tau) for v in p.tolist()])
+    ref = dev(torch.tensor([1 - (1 - v) ** (1 / tau) if v < 0.5 else v ** (1 / tau) for v in p.tolist()]))
     torch.testing.assert_close(sharpen(p, tau), ref)
     s = sharpen(p, tau)
     up, down = (p > 0.5) & (p < 1), (p < 0.5) & (p > 0)
@@ -80,6 +89,7 @@ def test_training_uses_noise_and_eval_is_hard():
 
 
 # ratio loss ---------------------------------------------------------------------------------------
+@pytest.mark.device
 @pytest.mark.parametrize("R", [1.5, 2.0, 4.0])
 def test_ratio_loss_is_one_at_target(R):
     n = 60
@@ -87,24 +97,26 @@ def test_ratio_loss_is_one_at_target(R):
     b = torch.zeros(1, n, dtype=torch.bool)
     b[0, : round(n / R)] = True  # F = 1/R exactly (n/R is an integer for these R)
     valid = torch.ones(1, n, dtype=torch.bool)
+    p, b, valid = dev(p, b, valid)
     assert ratio_loss(p, b, valid, R).item() == pytest.approx(1.0, abs=1e-6)
     # away from the target (F = G) the loss is larger
     for g in (0.1, 0.9):
         p2, b2 = torch.full((1, n), g), torch.zeros(1, n, dtype=torch.bool)
         b2[0, : round(n * g)] = True
-        assert ratio_loss(p2, b2, valid, R).item() > 1.0 + 1e-3
+        assert ratio_loss(*dev(p2, b2), valid, R).item() > 1.0 + 1e-3
 
 
 def _dloss_dG(F_: float, G: float, R: float) -> float:
     n = 60  # n / R is an integer for the R tested, so F = 1/R is exact
-    p = torch.full((1, n), G, requires_grad=True)
+    p = torch.full((1, n), G, device=DEVICE, requires_grad=True)
     b = torch.zeros(1, n, dtype=torch.bool)
     b[0, : round(n * F_)] = True
-    loss = ratio_loss(p, b, torch.ones(1, n, dtype=torch.bool), R)
+    loss = ratio_loss(p, *dev(b, torch.ones(1, n, dtype=torch.bool)), R)
     (g,) = torch.autograd.grad(loss, p)
     return float(g.sum())  # dL/dG (G = mean p)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("R", [1.5, 2.0, 3.0])
 def test_ratio_loss_gradient_pushes_towards_target(R):
     """Gradient descent moves G down when too many boundaries are sampled (F > 1/R) and up when too
@@ -119,12 +131,14 @@ def test_ratio_loss_gradient_pushes_towards_target(R):
     assert abs(_dloss_dG(t, 0.7, R)) < 1e-5  # F at target: no push
 
 
+@pytest.mark.device
 def test_ratio_loss_pooled_over_real_tokens_only():
     R = 2.0
     p = torch.rand(2, 10)
     b = torch.rand(2, 10) > 0.5
     valid = torch.ones(2, 10, dtype=torch.bool)
     valid[0, :6] = False
+    p, b, valid = dev(p, b, valid)
     base = ratio_loss(p, b, valid, R)
     p2, b2 = p.clone(), b.clone()
     p2[~valid], b2[~valid] = 0.99, True  # padding content is irrelevant
@@ -138,24 +152,28 @@ def test_ratio_loss_pooled_over_real_tokens_only():
     assert ratio_loss(p, b, valid, 1.0).item() == 0.0  # R = 1: no compression, no loss
 
 
+@pytest.mark.device
 def test_per_modality_targets_weight_by_token_share():
-    ch = chunker(image_target_ratio=3.0, text_target_ratio=1.5)
+    ch = dev(chunker(image_target_ratio=3.0, text_target_ratio=1.5))
     p = torch.rand(1, 12)
     b = torch.rand(1, 12) > 0.5
     valid = torch.ones(1, 12, dtype=torch.bool)
     mod = torch.tensor([[TEXT] * 4 + [IMAGE] * 8])
+    p, b, valid, mod = dev(p, b, valid, mod)
     img, txt = valid & (mod == IMAGE), valid & (mod == TEXT)
     ref = (ratio_loss(p, b, img, 3.0) * 8 + ratio_loss(p, b, txt, 1.5) * 4) / 12
     torch.testing.assert_close(ch.aux_loss(p, b, valid, mod), ref)
     torch.testing.assert_close(ch.aux_loss(p, b, valid, None), ratio_loss(p, b, valid, ch.cfg.target_ratio))
-    assert chunker(boundary_mode="fixed").aux_loss(p, b, valid, None).item() == 0.0
+    assert dev(chunker(boundary_mode="fixed")).aux_loss(p, b, valid, None).item() == 0.0
 
 
 # forced boundaries / modes ------------------------------------------------------------------------
+@pytest.mark.device
 def test_forced_boundaries():
     valid = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 7, 7, 7]])
     mod = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0], [1, 1, 0, 0, 1, 1, 1, 0]])
+    valid, seg, mod = dev(valid, seg, mod)
     f = forced_boundaries(valid, None, None, False)
     assert f.nonzero().tolist() == [[0, 2], [1, 0]]
     f = forced_boundaries(valid, seg, None, False)
@@ -168,21 +186,24 @@ def test_forced_boundaries():
 def _model_boundaries(model, p_value: float, **inputs):
     """Forward with every router probability set to ``p_value``: what is left is forcing/masking."""
     ch = model.model.chunker
-    ch.probs = lambda h: torch.full(h.shape[:2], p_value)
+    ch.probs = lambda h: torch.full(h.shape[:2], p_value, device=h.device)
     with torch.no_grad():
         return model(**inputs)
 
 
+@pytest.mark.device
 def test_model_forces_first_real_token_and_segment_starts(tiny_model):
-    model = tiny_model("tiny_concept")
+    model = dev(tiny_model("tiny_concept"))
     ids = torch.randint(1, 2048, (2, 10))
     am = torch.ones(2, 10, dtype=torch.long)
     am[0, :3] = 0
+    ids, am = dev(ids, am)
     out = _model_boundaries(model, 0.0, input_ids=ids, attention_mask=am)
     assert out.boundary_mask.nonzero().tolist() == [[0, 3], [1, 0]]
     assert out.num_concepts.tolist() == [1, 1]
     seg = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
     pos = torch.tensor([list(range(4)) + list(range(6)), list(range(7)) + list(range(3))])
+    seg, pos = dev(seg, pos)
     out = _model_boundaries(model, 0.0, input_ids=ids, segment_ids=seg, position_ids=pos)
     assert out.boundary_mask.nonzero().tolist() == [[0, 0], [0, 4], [1, 0], [1, 7]]
     # padding tokens never become concepts, even when the router says 1 (and in training)
@@ -191,26 +212,30 @@ def test_model_forces_first_real_token_and_segment_starts(tiny_model):
         out = _model_boundaries(model, 1.0, input_ids=ids, attention_mask=am)
         assert not bool(out.boundary_mask[am == 0].any())
         assert out.num_concepts.tolist() == [7, 10]
-        assert torch.equal(out.boundary_probs[am == 0], torch.zeros(3))
+        assert torch.equal(out.boundary_probs[am == 0], dev(torch.zeros(3)))
 
 
+@pytest.mark.device
 def test_split_at_switch(tiny_model):
     ids = torch.randint(1, 2048, (1, 10))
     mod = torch.tensor([[TEXT, TEXT, IMAGE, IMAGE, IMAGE, TEXT, TEXT, IMAGE, TEXT, TEXT]])
-    split = tiny_model("tiny_concept", modality_policy="split_at_switch")
+    ids, mod = dev(ids, mod)
+    split = dev(tiny_model("tiny_concept", modality_policy="split_at_switch"))
     out = _model_boundaries(split, 0.0, input_ids=ids, modality_ids=mod)
     assert out.boundary_mask[0].nonzero()[:, 0].tolist() == [0, 2, 5, 7, 8]
-    joint = tiny_model("tiny_concept", modality_policy="joint")
+    joint = dev(tiny_model("tiny_concept", modality_policy="joint"))
     out = _model_boundaries(joint, 0.0, input_ids=ids, modality_ids=mod)
     assert out.boundary_mask[0].nonzero()[:, 0].tolist() == [0]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("R, every", [(2.0, 2), (3.0, 3), (2.6, 3)])
 def test_fixed_mode_every_round_R(tiny_model, R, every):
-    model = tiny_model("tiny_concept", boundary_mode="fixed", target_ratio=R)
+    model = dev(tiny_model("tiny_concept", boundary_mode="fixed", target_ratio=R))
     ids = torch.randint(1, 2048, (2, 12))
     am = torch.ones(2, 12, dtype=torch.long)
     am[1, :5] = 0
+    ids, am = dev(ids, am)
     with torch.no_grad():
         out = model(ids, attention_mask=am)
     assert out.boundary_mask[0].nonzero()[:, 0].tolist() == list(range(0, 12, every))
@@ -218,25 +243,29 @@ def test_fixed_mode_every_round_R(tiny_model, R, every):
     assert out.ratio_loss.item() == 0.0
 
 
+@pytest.mark.device
 def test_all_mode_every_real_token(tiny_model):
-    model = tiny_model("tiny_concept", boundary_mode="all")
+    model = dev(tiny_model("tiny_concept", boundary_mode="all"))
     am = torch.ones(2, 9, dtype=torch.long)
     am[0, :4] = 0
+    am = dev(am)
     with torch.no_grad():
-        out = model(torch.randint(1, 2048, (2, 9)), attention_mask=am)
+        out = model(dev(torch.randint(1, 2048, (2, 9))), attention_mask=am)
     assert torch.equal(out.boundary_mask, am.bool())
     assert out.compression["ratio"] == 1.0
 
 
 # concepts -----------------------------------------------------------------------------------------
+@pytest.mark.device
 @pytest.mark.parametrize("merge", ["last", "sum"])
 def test_form_concepts(merge):
-    ch = chunker(concept_merge=merge)
+    ch = dev(chunker(concept_merge=merge))
     h = torch.randn(2, 7, D)
     valid = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     b = torch.tensor([[0, 0, 1, 0, 1, 1, 0], [1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
     p = torch.rand(2, 7)
     seg = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    h, valid, b, p, seg = dev(h, valid, b, p, seg)
     con = ch.form_concepts(h, b, p, valid, seg)
     assert con.count_B.tolist() == [3, 3] and con.x_BMD.shape == (2, 3, D)
     assert con.index_BT.tolist() == [[-1, -1, 0, 0, 1, 2, 2], [0, 0, 0, 1, 1, 1, 2]]
@@ -251,14 +280,16 @@ def test_form_concepts(merge):
     assert con.segment_BM.tolist() == [[0, 0, 1], [0, 0, 0]]
 
 
+@pytest.mark.device
 def test_form_concepts_right_pads_short_rows():
-    ch = chunker()
+    ch = dev(chunker())
     h = torch.randn(2, 5, D)
     valid = torch.ones(2, 5, dtype=torch.bool)
     b = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 1, 0]], dtype=torch.bool)
-    con = ch.form_concepts(h, b, torch.rand(2, 5), valid, None)
+    h, valid, b = dev(h, valid, b)
+    con = ch.form_concepts(h, b, dev(torch.rand(2, 5)), valid, None)
     assert con.valid_BM.tolist() == [[True, False, False], [True, True, True]]
-    assert torch.equal(con.x_BMD[0, 1:], torch.zeros(2, D))
+    assert torch.equal(con.x_BMD[0, 1:], dev(torch.zeros(2, D)))
     assert con.segment_BM is None and con.position_BM.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
