@@ -1,5 +1,10 @@
 """vlm/modeling/conceptmoe.py: causality, packing, joint decoding layout, looping / d_c, and the
-plain-MoE identities (chunking off; conversion with every token a concept)."""
+plain-MoE identities (chunking off; conversion with every token a concept).
+
+Tests marked ``device`` run on ``VLM_TEST_DEVICE`` (tests/_device.py): fp32 for the identities
+(causality, packing, chunking off, conversion); the forward/backward finiteness test in bf16 on CUDA.
+Models are built and modified (decisive router, joint projections) on the CPU, then moved, so a
+CUDA run checks the same weights. Construction-only tests (layout, init) stay on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +17,7 @@ V = 2048
 
 
 from conftest import left_padded, randomise_joint  # noqa: E402
+from _device import dev, dtype_for, require_test_device, tol  # noqa: E402, F401
 
 
 # causality ----------------------------------------------------------------------------------------
@@ -24,40 +30,44 @@ def _check_causal(model, ids, am, ts, chunked: bool):
             out = model(ids2, attention_mask=am)
             real = am[:, : t + 1].bool()
             torch.testing.assert_close(out.logits[:, : t + 1][real], base.logits[:, : t + 1][real],
-                                       atol=1e-5, rtol=0, msg=f"logits at <= {t} changed")
+                                       **tol(1e-5, 0), msg=f"logits at <= {t} changed")
             # the change itself is visible from t + 1 on (the test can fail)
             assert not torch.allclose(out.logits[:, t + 1:], base.logits[:, t + 1:], atol=1e-4)
             if chunked:
                 assert torch.equal(out.boundary_mask[:, : t + 1], base.boundary_mask[:, : t + 1]), t
                 torch.testing.assert_close(out.boundary_probs[:, : t + 1], base.boundary_probs[:, : t + 1],
-                                           atol=1e-6, rtol=0)
+                                           **tol(1e-6, 0))
 
 
+@pytest.mark.device
 def test_plain_moe_is_causal(tiny_model):
-    ids, am = left_padded()
-    _check_causal(tiny_model("tiny"), ids, am, [6, 9, 13, 18], chunked=False)
+    ids, am = dev(left_padded())
+    _check_causal(dev(tiny_model("tiny")), ids, am, [6, 9, 13, 18], chunked=False)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("merge", ["last", "sum"])
 def test_conceptmoe_is_causal(tiny_model, make_decisive, merge):
     """Eval mode, decisive router, left padding: changing token t+1 changes no logit, boundary or
     probability at positions <= t (a "sum" concept is read only once complete)."""
-    model = randomise_joint(make_decisive(tiny_model("tiny_concept", concept_merge=merge), 3))
-    ids, am = left_padded()
+    model = dev(randomise_joint(make_decisive(tiny_model("tiny_concept", concept_merge=merge), 3)))
+    ids, am = dev(left_padded())
     with torch.no_grad():
         b = model(ids, attention_mask=am).boundary_mask
     assert 3 <= int(b[0].sum()) <= 17  # really chunked, not all / nothing
     _check_causal(model, ids, am, [5, 6, 8, 11, 14, 17, 18], chunked=True)
 
 
+@pytest.mark.device
 def test_conceptmoe_causal_with_loop_and_concept_width(tiny_model, make_decisive):
-    model = make_decisive(tiny_model("tiny_concept", concept_merge="sum", concept_hidden_size=32,
-                                     concept_loop_layers=[0], concept_loop_times=2), 5)
-    ids, am = left_padded(T=16, pad=3)
+    model = dev(make_decisive(tiny_model("tiny_concept", concept_merge="sum", concept_hidden_size=32,
+                                         concept_loop_layers=[0], concept_loop_times=2), 5))
+    ids, am = dev(left_padded(T=16, pad=3))
     _check_causal(model, ids, am, [4, 9, 14], chunked=True)
 
 
 # packing ------------------------------------------------------------------------------------------
+@pytest.mark.device
 @pytest.mark.parametrize("preset, merge", [("tiny", "last"), ("tiny_concept", "last"), ("tiny_concept", "sum")])
 def test_packed_segments_do_not_interact(tiny_model, make_decisive, preset, merge):
     """Two packed segments in a row: each equals the segment run alone (positions restarting) -
@@ -65,18 +75,20 @@ def test_packed_segments_do_not_interact(tiny_model, make_decisive, preset, merg
     model = tiny_model(preset, concept_merge=merge)
     if model.config.chunking:
         randomise_joint(make_decisive(model, 3))
+    model = dev(model)
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(1, V, (1, 13), generator=g), torch.randint(1, V, (1, 11), generator=g)
     c, d = torch.randint(1, V, (1, 5), generator=g), torch.randint(1, V, (1, 19), generator=g)
     ids = torch.cat([torch.cat([a, b], 1), torch.cat([c, d], 1)])
     seg = torch.tensor([[0] * 13 + [1] * 11, [3] * 5 + [4] * 19])
     pos = torch.tensor([list(range(13)) + list(range(11)), list(range(5)) + list(range(19))])
+    ids, seg, pos, a, b, c, d = dev(ids, seg, pos, a, b, c, d)
     with torch.no_grad():
         packed = model(ids, position_ids=pos, segment_ids=seg)
         alone = {k: model(x) for k, x in dict(a=a, b=b, c=c, d=d).items()}
     parts = {"a": (0, slice(0, 13)), "b": (0, slice(13, 24)), "c": (1, slice(0, 5)), "d": (1, slice(5, 24))}
     for name, (row, sl) in parts.items():
-        torch.testing.assert_close(packed.logits[row, sl], alone[name].logits[0], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(packed.logits[row, sl], alone[name].logits[0], **tol(1e-5, 0), msg=name)
         if model.config.chunking:
             assert torch.equal(packed.boundary_mask[row, sl], alone[name].boundary_mask[0]), name
     if model.config.chunking:
@@ -117,14 +129,17 @@ def test_layer_schedule_and_widths(tiny_model):
     assert len(out.tokens_per_expert) == 1 + 8 + 1  # a looped layer runs (and is counted) each time
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("overrides", [
     dict(concept_loop_layers=[1], concept_loop_times=2),
     dict(concept_hidden_size=32),
     dict(concept_hidden_size=96, concept_merge="sum", concept_loop_layers=[0], concept_loop_times=2),
 ])
 def test_loop_and_concept_width_forward_backward(tiny_model, overrides):
-    model = tiny_model("tiny_concept", **overrides).train()
-    ids, am = left_padded(T=16, pad=4)
+    """Train mode, forward + backward: finite loss, every parameter gets a finite gradient (bf16 on
+    CUDA: this is the bf16-safety check of the looped / narrow-concept paths)."""
+    model = dev(tiny_model("tiny_concept", **overrides)).to(dtype_for(exact=False)).train()
+    ids, am = dev(left_padded(T=16, pad=4))
     out = model(ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100))
     assert torch.isfinite(out.loss) and out.ratio_loss > 0
     out.loss.backward()
@@ -135,26 +150,29 @@ def test_loop_and_concept_width_forward_backward(tiny_model, overrides):
         assert model.model.concept_in.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.device
 def test_lm_loss_reaches_router_through_ste(tiny_model):
-    model = tiny_model("tiny_concept", ratio_loss_weight=0.0).train()
-    ids = torch.randint(1, V, (2, 16))
+    model = dev(tiny_model("tiny_concept", ratio_loss_weight=0.0)).train()
+    ids = dev(torch.randint(1, V, (2, 16)))
     out = model(ids, labels=ids)
     out.lm_loss.backward()
     assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
 
 
 # identities with the plain MoE --------------------------------------------------------------------
+@pytest.mark.device
 def test_chunking_off_is_exactly_the_plain_moe(tiny_model):
-    plain = tiny_model("tiny", seed=7)
-    off = tiny_model("tiny_concept", seed=7, **{"chunking.enabled": False})
+    plain = dev(tiny_model("tiny", seed=7))
+    off = dev(tiny_model("tiny_concept", seed=7, **{"chunking.enabled": False}))
     assert {k: v.shape for k, v in off.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
-    ids, am = left_padded()
+    ids, am = dev(left_padded())
     with torch.no_grad():
         a, b = plain(ids, attention_mask=am), off(ids, attention_mask=am)
     assert torch.equal(a.logits, b.logits)
     assert b.boundary_mask is None and b.compression is None and b.ratio_loss.item() == 0.0
 
 
+@pytest.mark.device
 def test_conversion_identity_every_token_a_concept(tiny_model):
     """boundary_mode="all" + concept_merge="last" with the plain model's weights (strict=False for
     the chunker / joint projections, which are zero) reproduces the plain model's logits."""
@@ -165,11 +183,12 @@ def test_conversion_identity_every_token_a_concept(tiny_model):
     assert sorted(res.missing_keys) == sorted(
         ["model.chunker.q_proj.weight", "model.chunker.k_proj.weight"]
         + [f"model.layers.3.attn.{p}_c_proj.weight" for p in "qkv"])
-    ids, am = left_padded()
+    plain, concept = dev(plain, concept)
+    ids, am = dev(left_padded())
     with torch.no_grad():
         a, b = plain(ids, attention_mask=am), concept(ids, attention_mask=am)
     real = am.bool()
-    torch.testing.assert_close(b.logits[real], a.logits[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.logits[real], a.logits[real], **tol(1e-5, 0))
     assert b.compression["ratio"] == 1.0
     # and a non-trivial chunking does change the model (the identity is not vacuous)
     concept.model.chunker.cfg.boundary_mode = "fixed"
@@ -179,10 +198,12 @@ def test_conversion_identity_every_token_a_concept(tiny_model):
 
 
 # stats --------------------------------------------------------------------------------------------
+@pytest.mark.device
 def test_compression_stats():
     b = torch.tensor([[1, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 1]], dtype=torch.bool)
     valid = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     mod = torch.tensor([[IMAGE, IMAGE, IMAGE, IMAGE, TEXT, TEXT], [TEXT, TEXT, TEXT, TEXT, TEXT, IMAGE]])
+    b, valid, mod = dev(b, valid, mod)
     s = compression_stats(b, valid, mod)
     assert s["ratio_per_sample"].tolist() == pytest.approx([3.0, 4 / 3])
     assert s["ratio"] == pytest.approx(10 / 5)
