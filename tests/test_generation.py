@@ -1,4 +1,7 @@
-"""vlm/modeling/generation.py: cached decoding == repeated full forwards, the concept cache, sampling."""
+"""vlm/modeling/generation.py: cached decoding == repeated full forwards, the concept cache, sampling.
+
+Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py); models are built and modified on
+the CPU, then moved; sampling uses a generator on that device."""
 from __future__ import annotations
 
 import pytest
@@ -12,10 +15,13 @@ V = 2048
 
 from conftest import randomise_joint  # noqa: E402
 from conftest import left_padded as _left_padded  # noqa: E402
+from _device import DEVICE, dev, generator, require_test_device, tol  # noqa: E402, F401
+
+pytestmark = pytest.mark.device
 
 
 def left_padded(B: int = 2, T: int = 12, pad: int = 4, seed: int = 1):
-    return _left_padded(B, T, pad, seed)
+    return dev(_left_padded(B, T, pad, seed))
 
 
 @torch.no_grad()
@@ -73,6 +79,7 @@ def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset,
     model = tiny_model(preset, **overrides)
     if model.config.chunking:
         randomise_joint(make_decisive(model, 3))
+    model = dev(model)
     ids, am = left_padded()
     new = 32
     ref_ids, ref_am, _ = greedy_by_full_forwards(model, ids, am, new)
@@ -88,7 +95,7 @@ def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset,
         assert 0 < int(full.num_concepts.min()) < int(ref_am.sum(1).min())  # real compression
     # logits of the cached path = the full forward's logits at the same positions
     T = ids.shape[1]
-    torch.testing.assert_close(step_logits, full.logits[:, T - 1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step_logits, full.logits[:, T - 1:], **tol(1e-4, 1e-4))
     out = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False)
     assert out.shape == (2, T + new)
     assert torch.equal(out, ref_ids)
@@ -98,7 +105,7 @@ def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset,
 def test_split_at_switch_decoding(tiny_model, make_decisive):
     """A prompt ending on image tokens: the first generated (text) token is forced to a boundary on
     both paths."""
-    model = make_decisive(tiny_model("tiny_concept", modality_policy="split_at_switch"), 3)
+    model = dev(make_decisive(tiny_model("tiny_concept", modality_policy="split_at_switch"), 3))
     ids, am = left_padded()
     mod = torch.full_like(ids, TEXT)
     mod[:, 6:] = IMAGE
@@ -113,12 +120,12 @@ def test_split_at_switch_decoding(tiny_model, make_decisive):
 
 
 def test_sampling_reproducible(tiny_model, make_decisive):
-    model = make_decisive(tiny_model("tiny_concept"), 3)
+    model = dev(make_decisive(tiny_model("tiny_concept"), 3))
     ids, am = left_padded()
 
     def run(seed, **kw):
         return model.generate(ids, attention_mask=am, max_new_tokens=16, do_sample=True,
-                              generator=torch.Generator().manual_seed(seed), **kw)
+                              generator=generator(seed), **kw)
 
     a, b = run(0, temperature=0.8, top_p=0.9), run(0, temperature=0.8, top_p=0.9)
     assert torch.equal(a, b)
@@ -131,8 +138,8 @@ def test_sampling_reproducible(tiny_model, make_decisive):
 
 
 def test_sample_next_filters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
-    g = torch.Generator().manual_seed(0)
+    logits = dev(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4))
+    g = generator(0)
     top_p = sample_next(logits, True, 1.0, 0.7, 0, g)
     assert set(top_p.tolist()) == {0, 1}  # smallest set with mass >= 0.7
     top_k = sample_next(logits, True, 1.0, 1.0, 3, g)
@@ -143,7 +150,7 @@ def test_sample_next_filters():
 
 
 def test_eos_stops_and_pads(tiny_model):
-    model = tiny_model("tiny")
+    model = dev(tiny_model("tiny"))
     ids, am = left_padded()
     greedy = model.generate(ids, attention_mask=am, max_new_tokens=10)
     T = ids.shape[1]
@@ -161,7 +168,7 @@ def test_eos_stops_and_pads(tiny_model):
 
 
 def test_right_padding_refused(tiny_model):
-    model = tiny_model("tiny")
+    model = dev(tiny_model("tiny"))
     ids, am = left_padded()
     with pytest.raises(ValueError, match="left padding"):
         model.generate(ids, attention_mask=am.flip(1), max_new_tokens=2)
@@ -170,8 +177,8 @@ def test_right_padding_refused(tiny_model):
 def test_concept_kv_cache_512_tokens(tiny_model, make_decisive):
     """512 greedy tokens, batch 1, decisive router: the concept caches hold exactly one entry per
     concept of a full forward over the whole sequence; the printed numbers are reported."""
-    model = make_decisive(tiny_model("tiny_concept", concept_merge="last"), 3)
-    prompt = torch.randint(1, V, (1, 16), generator=torch.Generator().manual_seed(0))
+    model = dev(make_decisive(tiny_model("tiny_concept", concept_merge="last"), 3))
+    prompt = dev(torch.randint(1, V, (1, 16), generator=torch.Generator().manual_seed(0)))
     n = 512
     state = model.start_decoding(1, 16 + n + 1)
     seq = [prompt]
