@@ -1,8 +1,14 @@
-"""The VLM: placeholder expansion, cross-modal chunking policies, causality, save/load, generation."""
+"""The VLM: placeholder expansion, cross-modal chunking policies, causality, save/load, generation.
+
+Tests marked ``device`` run on ``VLM_TEST_DEVICE`` (tests/_device.py; fp32, and bf16 on CUDA for the
+forward/backward finiteness test); models are built (and made decisive) on the CPU, then moved.
+The statistical router-training test and the config test stay on the CPU."""
 import pytest
 import torch
 
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
+
+from _device import dev, dtype_for, require_test_device, tol  # noqa: E402, F401
 
 IMG, START, END = 5, 6, 7
 VOCAB = 64
@@ -41,18 +47,20 @@ def sample_batch(P, seed=0):
     return ids, mask, pixels
 
 
+@pytest.mark.device
 def test_placeholder_count_mismatch_is_a_clear_error():
-    model = build()
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model = dev(build())
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     with pytest.raises(ImageTokenMismatch, match="2 image"):
         model(ids[:, :10], pixels, mask[:, :10])  # cuts through the first image's tokens
     with pytest.raises(ImageTokenMismatch):
         model(ids, pixels[:1], mask)
 
 
+@pytest.mark.device
 def test_image_features_land_at_placeholders_in_order():
-    model = build()
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model = dev(build())
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     embeds, modality = model.embed(ids, pixels)
     feats = model.projector(model.vision(pixels))
     pos = (ids[0] == IMG).nonzero()[:, 0]
@@ -61,13 +69,14 @@ def test_image_features_land_at_placeholders_in_order():
     assert modality.sum() == 2 * P and modality[1].sum() == 0
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("policy", ["joint", "split_at_switch", "per_modality"])
 def test_causality_across_modalities(policy):
     over = {"chunking.modality_policy": "joint" if policy == "per_modality" else policy}
     if policy == "per_modality":
         over.update({"image_target_ratio": 3.0, "text_target_ratio": 1.5})
-    model = decisive(build(**over))
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model = dev(decisive(build(**over)))
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     base = model(ids, pixels, mask)
     P = model.num_image_tokens
     second_img_start = int((ids[0] == START).nonzero()[1, 0])
@@ -77,21 +86,22 @@ def test_causality_across_modalities(policy):
         ids2[:, t + 1] = (ids2[:, t + 1] + 11) % (VOCAB - 8) + 8 if ids[0, t + 1] >= 8 else ids2[:, t + 1]
         ids2[1, t + 1] = (ids[1, t + 1] + 11) % (VOCAB - 8) + 8
         out = model(ids2, pixels, mask)
-        assert torch.allclose(out.logits[:, : t + 1], base.logits[:, : t + 1], atol=1e-5)
+        assert torch.allclose(out.logits[:, : t + 1], base.logits[:, : t + 1], **tol(1e-5, 1e-5))
         assert torch.equal(out.boundary_mask[:, : t + 1], base.boundary_mask[:, : t + 1])
     # the second image's pixels change nothing before that image
     pixels2 = pixels.clone()
-    pixels2[1] = torch.randn_like(pixels2[1])
+    pixels2[1] = dev(torch.randn(pixels2[1].shape))
     out = model(ids, pixels2, mask)
     first_patch = second_img_start + 1
-    assert torch.allclose(out.logits[0, :first_patch], base.logits[0, :first_patch], atol=1e-5)
+    assert torch.allclose(out.logits[0, :first_patch], base.logits[0, :first_patch], **tol(1e-5, 1e-5))
     assert not torch.allclose(out.logits[0, first_patch:first_patch + P], base.logits[0, first_patch:first_patch + P])
 
 
+@pytest.mark.device
 def test_split_at_switch_has_a_boundary_at_every_switch():
-    model = build(**{"chunking.modality_policy": "split_at_switch"})
+    model = dev(build(**{"chunking.modality_policy": "split_at_switch"}))
     model.train()  # boundary noise on: forced boundaries must hold regardless
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     for seed in range(3):
         torch.manual_seed(seed)
         out = model(ids, pixels, mask)
@@ -127,9 +137,26 @@ def test_per_modality_targets_pull_the_ratios_apart():
     assert abs(r_img - 3.0) / 3.0 < 0.2 and abs(r_txt - 1.5) / 1.5 < 0.2
 
 
+@pytest.mark.device
+def test_forward_backward_finite():
+    """Train mode, both modalities, padding: a finite loss and a finite gradient for every parameter
+    (the vision tower, projector, chunker, joint projections included); bf16 on CUDA."""
+    model = dev(build(**{"chunking.modality_policy": "split_at_switch"})).to(dtype_for(exact=False)).train()
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    labels = ids.masked_fill((mask == 0) | (ids < 8), -100)
+    out = model(ids, pixels, mask, labels=labels)
+    assert torch.isfinite(out.loss) and out.logits.shape == (*ids.shape, VOCAB)
+    out.loss.backward()
+    bad = [n for n, p in model.named_parameters()
+           if p.requires_grad and (p.grad is None or not torch.isfinite(p.grad).all())]
+    assert not bad, bad
+    assert next(model.vision.parameters()).grad.abs().sum() > 0
+
+
+@pytest.mark.device
 def test_generation_with_image_equals_repeated_full_forwards():
-    model = decisive(build())
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model = dev(decisive(build()))
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     out = model.generate(ids, pixels, mask, max_new_tokens=12, do_sample=False)
     cur, cur_mask = ids, mask
     for _ in range(12):
@@ -138,12 +165,13 @@ def test_generation_with_image_equals_repeated_full_forwards():
     assert torch.equal(out, cur)
 
 
+@pytest.mark.device
 def test_save_and_load_gives_identical_logits(tmp_path):
-    model = build()
-    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model = dev(build())
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
-    loaded = ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval()
+    loaded = dev(ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval())
     assert torch.equal(loaded(ids, pixels, mask).logits, model(ids, pixels, mask).logits)
 
 
