@@ -1,0 +1,222 @@
+"""The compare runs: one job per arm and seed (a training YAML + a key that decides reuse),
+trained in this process or in subprocesses, then evaluated on the held-out splits; the batch
+fingerprint that proves every arm of a seed saw the same data."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vlm.compare_config import REPO_ROOT, _path, _rel
+
+
+# --- jobs --------------------------------------------------------------------------------------
+def out_dir(cfg: dict, override: str | None = None) -> Path:
+    return Path(override) if override else _path(cfg["output_dir"]) / cfg["name"]
+
+
+def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) -> list[dict]:
+    from vlm.training.train_config import deep_merge
+
+    jobs = []
+    for seed in seeds:
+        for arm in cfg["arms"]:
+            p = presets[arm["id"]]
+            name = f"{arm['name']}-s{seed}"
+            train = deep_merge(raw, {"name": name, "output_dir": str(out / "runs"), "seed": int(seed),
+                                     "model": {"kind": "vlm", "preset": str(p["vlm_path"])}})
+            train.pop("base", None)
+            if cfg["threads"] and _train_has("cpu_threads"):
+                train["cpu_threads"] = int(cfg["threads"])  # the trainer's own knob (process-wide)
+            key_src = json.dumps({"train": train, "eval": cfg["eval"], "vlm": p["text"],
+                                  "lm": p["lm_path"].read_text()}, sort_keys=True, default=str)
+            key_src = key_src.replace(str(REPO_ROOT), "<repo>")  # the same runs in another checkout are reused
+            jobs.append({"arm": arm["id"], "arm_name": arm["name"], "seed": int(seed), "train": train,
+                         "eval": cfg["eval"], "threads": cfg["threads"], "run_dir": str(out / "runs" / name),
+                         "key": hashlib.sha1(key_src.encode()).hexdigest()[:16]})
+    return jobs
+
+
+def _train_has(key: str) -> bool:
+    import dataclasses
+
+    from vlm.training.train_config import TrainConfig
+
+    return key in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+class _FingerprintLoader:
+    """Wraps the trainer's loader: hashes the token ids of every batch it yields (same data order
+    across arms <=> same fingerprint) and delegates everything else."""
+
+    def __init__(self, loader):
+        self._loader, self._hash, self.batches = loader, hashlib.sha1(), 0
+
+    def __iter__(self):
+        for batch in self._loader:
+            ids = batch.get("input_ids")
+            if ids is not None:
+                self._hash.update(ids.cpu().numpy().tobytes())
+            self.batches += 1
+            yield batch
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()[:16]
+
+
+def run_job(job: dict) -> dict:
+    """Train + export + evaluate one arm/seed in this process; writes <run>/compare_result.json."""
+    import torch
+
+    sys.modules.setdefault("wandb", None)  # timm imports wandb only to offer it (slow); see vlm/train.py
+    threads_before, omp_before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        if job.get("threads"):
+            os.environ["OMP_NUM_THREADS"] = str(job["threads"])  # keeps init_distributed's own choice off
+            torch.set_num_threads(int(job["threads"]))
+        return _run_job(job)
+    finally:  # an in-process caller (a test session) gets its thread settings back
+        torch.set_num_threads(threads_before)
+        if omp_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp_before
+
+
+def _run_job(job: dict) -> dict:
+    import gc
+
+    import torch
+
+    from eval_suites.text_eval import evaluate_text
+    from vlm.training.train_config import load_train_config
+    from vlm.training.trainer import Trainer
+
+    t0 = time.time()
+    tcfg = load_train_config(raw=copy.deepcopy(job["train"]))
+    trainer = Trainer(tcfg)
+    fp = _FingerprintLoader(trainer.loader)
+    trainer.loader = fp
+    try:
+        trainer.fit()
+        fingerprint = f"{fp.digest}/{fp.batches}"
+        fin = trainer.finish()
+    finally:
+        trainer.close()
+    ev, e = fin.get("eval") or {}, job["eval"]
+    counts = dict(trainer.total_counts)
+    rec = {k: v for k, v in trainer.last_record.items() if k != "expert_load"}
+    run_dir = Path(job["run_dir"])
+    hf = run_dir / "hf"
+    device = "cuda" if trainer.device == "cuda" else "cpu"
+    seq_len = int(e["text_seq_len"] or tcfg.data.max_length or 128)
+    del trainer, fp
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    text = None
+    if e.get("text") and (hf / "config.json").is_file():
+        text = evaluate_text(str(hf), str(_path(e["text"])), seq_len, int(e["text_batch_size"]),
+                             int(e["text_max_tokens"]), tcfg.model.tokenizer and str(_path(tcfg.model.tokenizer)),
+                             e["dtype"], device)
+    if not e.get("keep_hf", True) and hf.is_dir():
+        import shutil
+
+        shutil.rmtree(hf, ignore_errors=True)
+    result = {"arm": job["arm"], "arm_name": job["arm_name"], "seed": job["seed"], "key": job["key"],
+              "run_dir": job["run_dir"], "params_measured": counts, "last_train_record": rec,
+              "tokens_seen": int(rec.get("tokens_seen", 0)), "steps": int(rec.get("step", 0)),
+              "data_fingerprint": fingerprint,
+              "vqa": {k: ev[k] for k in ("accuracy", "correct", "total", "by_kind", "ratio", "ratio_image",
+                                         "ratio_text", "eval_time_s") if k in ev} or None,
+              "text": text, "wall_s": round(time.time() - t0, 2)}
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        result["train_time_s"] = s.get("train_time_s")
+    (run_dir / "compare_result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _done(job: dict) -> dict | None:
+    path = Path(job["run_dir"]) / "compare_result.json"
+    if path.is_file():
+        try:
+            res = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+        if res.get("key") == job["key"]:
+            return res
+    return None
+
+
+def run_jobs(jobs: list[dict], n_parallel: int, fresh: bool = False, isolate: bool = False) -> list[dict]:
+    """Run (or reuse) every job; in this process one after the other when ``n_parallel`` is 1 and not
+    ``isolate``, else in up to ``n_parallel`` subprocesses (``python -m vlm.compare --worker``)."""
+    results: dict[int, dict] = {}
+    todo = []
+    for i, job in enumerate(jobs):
+        prev = None if fresh else _done(job)
+        if prev is not None:
+            print(f"[compare] reusing {job['arm_name']} seed {job['seed']} ({job['run_dir']})", flush=True)
+            results[i] = prev
+        else:
+            todo.append(i)
+    if n_parallel <= 1 and not isolate:
+        for i in todo:
+            job = jobs[i]
+            print(f"[compare] training arm {job['arm']} ({job['arm_name']}) seed {job['seed']}", flush=True)
+            t = time.time()
+            results[i] = run_job(job)
+            print(f"[compare] arm {job['arm']} seed {job['seed']} done in {time.time() - t:.0f} s", flush=True)
+        return [results[i] for i in range(len(jobs))]
+    running: list = []
+    pending = list(todo)
+    failed = []
+    while pending or running:
+        while pending and len(running) < n_parallel:
+            i = pending.pop(0)
+            job = jobs[i]
+            run_dir = Path(job["run_dir"])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            spec = run_dir / "compare_job.json"
+            spec.write_text(json.dumps(job, indent=1))
+            env = dict(os.environ)
+            if job.get("threads"):
+                env["OMP_NUM_THREADS"] = str(job["threads"])
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(k, None)
+            log = open(run_dir / "compare_log.txt", "w")  # noqa: SIM115 - closed when the process ends
+            proc = subprocess.Popen([sys.executable, "-m", "vlm.compare", "--worker", str(spec)], cwd=REPO_ROOT,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT)
+            print(f"[compare] started arm {job['arm']} ({job['arm_name']}) seed {job['seed']} (pid {proc.pid}, "
+                  f"log {_rel(run_dir / 'compare_log.txt')})", flush=True)
+            running.append((i, proc, log, time.time()))
+        time.sleep(2)
+        for item in list(running):
+            i, proc, log, t = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            job = jobs[i]
+            res = _done(job)
+            if proc.returncode != 0 or res is None:
+                failed.append(f"{job['arm_name']} seed {job['seed']} (exit {proc.returncode}, see "
+                              f"{job['run_dir']}/compare_log.txt)")
+                print(f"[compare] FAILED {failed[-1]}", flush=True)
+            else:
+                results[i] = res
+                print(f"[compare] arm {job['arm']} seed {job['seed']} done in {time.time() - t:.0f} s", flush=True)
+    if failed:
+        raise RuntimeError("compare: runs failed: " + "; ".join(failed))
+    return [results[i] for i in range(len(jobs))]
