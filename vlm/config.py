@@ -14,6 +14,7 @@ Overrides use the same dotted names: ``num_experts=16``, ``moe.num_experts=16`` 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,32 @@ class ConfigError(ValueError):
 
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
-        raise ConfigError(f"config error: {key}: {msg}")
+        raise ConfigError(f"config error: {_dotted(key)}: {msg}")
+
+
+def _dotted(key: str) -> str:
+    """A field's name as the user writes it in a sectioned YAML: ``top_k`` -> ``moe.top_k``."""
+    if key == "chunking":
+        return "chunking.enabled"
+    owner = globals().get("FIELD_OWNER", {}).get(key)
+    return f"{owner}.{key}" if owner else key
+
+
+def _finite(value) -> bool:
+    """A real number that is not NaN or +-inf (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError):
+        return False
+
+
+def _number(key: str, value, low: float, low_inclusive: bool = True, nullable: bool = False) -> None:
+    """``value`` is finite and >= low (> low when not low_inclusive); None only when nullable."""
+    if value is None and nullable:
+        return
+    ok = _finite(value) and (value >= low if low_inclusive else value > low)
+    bound = f">= {low}" if low_inclusive else f"> {low}"
+    _check(ok, key, f"must be a finite number {bound}{' (or null)' if nullable else ''}, got {value!r}")
 
 
 @dataclass
@@ -45,17 +71,18 @@ class AttentionConfig:
         _check(self.hidden_size > 0, "hidden_size", f"must be > 0, got {self.hidden_size}")
         _check(self.num_attention_heads > 0, "num_attention_heads", "must be > 0")
         _check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
-               f"{self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
+               f"{self.hidden_size} is not divisible by attention.num_attention_heads={self.num_attention_heads}")
         _check(self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
-               "num_key_value_heads", f"{self.num_key_value_heads} must divide num_attention_heads="
+               "num_key_value_heads", f"{self.num_key_value_heads} must divide attention.num_attention_heads="
                f"{self.num_attention_heads}")
         _check(self.head_dim is None or self.head_dim > 0, "head_dim", "must be > 0")
         head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         _check(head_dim % 2 == 0, "head_dim" if self.head_dim else "hidden_size",
-               f"RoPE needs an even head dimension, got {head_dim}")
-        _check(self.rope_theta > 0, "rope_theta", "must be > 0")
+               f"RoPE needs an even head dimension, got {head_dim}" + ("" if self.head_dim else
+               f" (attention.hidden_size={self.hidden_size} / attention.num_attention_heads={self.num_attention_heads})"))
+        _number("rope_theta", self.rope_theta, 0, low_inclusive=False)
         _check(self.max_position_embeddings > 0, "max_position_embeddings", "must be > 0")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        _number("rms_norm_eps", self.rms_norm_eps, 0, low_inclusive=False)
 
 
 @dataclass
@@ -74,13 +101,13 @@ class MoEConfig:
     def validate(self) -> None:
         _check(self.num_experts >= 1, "num_experts", f"must be >= 1, got {self.num_experts}")
         _check(1 <= self.top_k <= self.num_experts, "top_k",
-               f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+               f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
         _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
         _check(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size", "must be >= 0")
         _check(self.first_k_dense >= 0, "first_k_dense", "must be >= 0")
         _check(self.dense_intermediate_size > 0, "dense_intermediate_size", "must be > 0")
-        _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
-        _check(self.router_z_loss_coef >= 0, "router_z_loss_coef", "must be >= 0")
+        _number("router_aux_loss_coef", self.router_aux_loss_coef, 0)
+        _number("router_z_loss_coef", self.router_z_loss_coef, 0)
         _check(self.moe_dispatch in ("sorted", "loop"), "moe_dispatch",
                f"must be 'sorted' or 'loop', got {self.moe_dispatch!r}")
 
@@ -108,12 +135,14 @@ class ChunkingConfig:
     def validate(self, num_hidden_layers: int, num_experts: int) -> None:
         # Values are checked even with chunking off (a typo in a plain preset must not wait until
         # the model is converted); the layer layout only matters when chunking is on.
-        _check(self.target_ratio >= 1.0, "target_ratio", f"ratio R must be >= 1, got {self.target_ratio}")
+        _check(_finite(self.target_ratio) and self.target_ratio >= 1.0, "target_ratio",
+               f"ratio R must be a finite number >= 1, got {self.target_ratio}")
         _check(self.concept_merge in ("last", "sum"), "concept_merge",
                f"must be 'last' or 'sum', got {self.concept_merge!r}")
-        _check(self.boundary_noise_tau is None or self.boundary_noise_tau >= 0, "boundary_noise_tau",
-               "must be >= 0 (0 or null switches boundary noise off)")
-        _check(self.ratio_loss_weight >= 0, "ratio_loss_weight", "must be >= 0")
+        _check(self.boundary_noise_tau is None or (_finite(self.boundary_noise_tau) and self.boundary_noise_tau >= 0),
+               "boundary_noise_tau", f"must be a finite number >= 0 (0 or null switches boundary noise off), "
+               f"got {self.boundary_noise_tau!r}")
+        _number("ratio_loss_weight", self.ratio_loss_weight, 0)
         _check(self.router_init in ("identity", "random"), "router_init",
                f"must be 'identity' or 'random', got {self.router_init!r}")
         _check(self.boundary_mode in ("dynamic", "fixed", "all"), "boundary_mode",
@@ -121,26 +150,31 @@ class ChunkingConfig:
         _check(self.modality_policy in ("joint", "split_at_switch"), "modality_policy",
                f"must be 'joint' or 'split_at_switch', got {self.modality_policy!r}")
         _check((self.image_target_ratio is None) == (self.text_target_ratio is None), "image_target_ratio",
-               "per-modality targets need both image_target_ratio and text_target_ratio")
+               "per-modality targets need both chunking.image_target_ratio and chunking.text_target_ratio")
         for key in ("image_target_ratio", "text_target_ratio"):
             val = getattr(self, key)
-            _check(val is None or val >= 1.0, key, f"ratio R must be >= 1, got {val}")
+            _check(val is None or (_finite(val) and val >= 1.0), key, f"ratio R must be a finite number >= 1, got {val}")
+        # counts and ids: impossible whatever the layout
+        _check(self.encoder_layers >= 0, "encoder_layers", f"must be >= 0, got {self.encoder_layers}")
+        _check(self.decoder_layers >= 0, "decoder_layers", f"must be >= 0, got {self.decoder_layers}")
+        _check(self.concept_hidden_size is None or self.concept_hidden_size > 0, "concept_hidden_size",
+               f"must be > 0 (or null), got {self.concept_hidden_size}")
+        _check(self.concept_top_k is None or 1 <= self.concept_top_k <= num_experts, "concept_top_k",
+               f"must be in [1, moe.num_experts={num_experts}] (or null), got {self.concept_top_k}")
+        _check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.concept_loop_layers),
+               "concept_loop_layers", f"must be a list of layer indices >= 0, got {self.concept_loop_layers!r}")
+        _check(self.concept_loop_times >= 1, "concept_loop_times", f"must be >= 1, got {self.concept_loop_times}")
+        _check(self.joint_decoding_layers >= 0, "joint_decoding_layers", f"must be >= 0, got {self.joint_decoding_layers}")
         if not self.chunking:
             return
         _check(self.encoder_layers >= 1, "encoder_layers", "must be >= 1 when chunking is on")
         _check(self.decoder_layers >= 1, "decoder_layers", "must be >= 1 when chunking is on")
         n_concept = num_hidden_layers - self.encoder_layers - self.decoder_layers
         _check(n_concept >= 1, "num_hidden_layers",
-               f"{num_hidden_layers} leaves no concept layer after encoder_layers={self.encoder_layers} "
-               f"and decoder_layers={self.decoder_layers}")
-        _check(self.concept_hidden_size is None or self.concept_hidden_size > 0, "concept_hidden_size",
-               "must be > 0")
-        _check(self.concept_top_k is None or 1 <= self.concept_top_k <= num_experts, "concept_top_k",
-               f"must be in [1, num_experts={num_experts}], got {self.concept_top_k}")
-        _check(all(isinstance(i, int) and 0 <= i < n_concept for i in self.concept_loop_layers),
+               f"{num_hidden_layers} leaves no concept layer after chunking.encoder_layers={self.encoder_layers} "
+               f"and chunking.decoder_layers={self.decoder_layers}")
+        _check(all(i < n_concept for i in self.concept_loop_layers),
                "concept_loop_layers", f"indices must lie in [0, {n_concept}), got {self.concept_loop_layers}")
-        _check(self.concept_loop_times >= 1, "concept_loop_times", "must be >= 1")
-        _check(self.joint_decoding_layers >= 0, "joint_decoding_layers", "must be >= 0")
 
 
 _COMPONENTS = {"attention": AttentionConfig, "moe": MoEConfig, "chunking": ChunkingConfig}
@@ -273,12 +307,19 @@ class ConceptMoEConfig(PretrainedConfig):
     def validate(self) -> None:
         _check(self.vocab_size > 0, "vocab_size", "must be > 0")
         _check(self.num_hidden_layers >= 1, "num_hidden_layers", "must be >= 1")
+        _number("initializer_range", self.initializer_range, 0, low_inclusive=False)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name, None)
+            ids = value if isinstance(value, list) and name == "eos_token_id" else [value]
+            _check(value is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size
+                                        for i in ids), name,
+                   f"must be null or a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
         self.attention.validate()
         self.moe.validate()
         self.chunk.validate(self.num_hidden_layers, self.num_experts)
         if self.chunking and self.concept_hidden_size:
             _check(self.concept_hidden_size % self.num_attention_heads == 0, "concept_hidden_size",
-                   f"{self.concept_hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
+                   f"{self.concept_hidden_size} is not divisible by attention.num_attention_heads={self.num_attention_heads}")
             c_head = self.head_dim or self.concept_hidden_size // self.num_attention_heads
             _check(c_head % 2 == 0, "concept_hidden_size",
                    f"RoPE needs an even head dimension, got {c_head} in the concept layers")

@@ -19,21 +19,48 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from vision_encoders import ProjectorConfig, VisionEncoderConfig
+from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
+from vision_encoders.base import HUB_PREFIXES
 from vlm.config import ConceptMoEConfig, ConfigError, load_yaml
 
 _TOKEN_FIELDS = ("image_token_id", "im_start_token_id", "im_end_token_id")
 
 
+def _err(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"config error: {key}: {msg}")
+
+
+def _mapping(value, key: str) -> dict:
+    """A config section: a mapping (null = empty); anything else is a one-line error naming it."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _err(key, f"must be a mapping of keys to values, got {value!r}")
+    return dict(value)
+
+
 def _dataclass_from(cls, raw: dict, section: str):
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
     for key in raw:
         if key not in names:
             raise ConfigError(f"config error: {section}.{key}: unknown config key")
+    for f in fields:
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _err(f"{section}.{f.name}", "is required")
     try:
         return cls(**raw)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"config error: {err}") from None
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"config error: {msg if msg.startswith(section + '.') else f'{section}: {msg}'}") from None
+
+
+def _check_vision(vision: VisionEncoderConfig) -> None:
+    """What the dataclass itself does not check: a registered backbone, a local model name."""
+    if vision.backbone not in VISION_BACKBONES:
+        raise _err("vision.backbone", f"unknown backbone {vision.backbone!r} (known: {', '.join(sorted(VISION_BACKBONES))})")
+    if vision.model_name is not None and vision.model_name.startswith(HUB_PREFIXES):
+        raise _err("vision.model_name", f"must be a library model name, not a hub reference, got {vision.model_name!r}")
 
 
 class ConceptMoEVLMConfig(PretrainedConfig):
@@ -43,8 +70,8 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     def __init__(self, vision: dict | None = None, projector: dict | None = None, text_config=None,
                  image_token_id: int | None = None, im_start_token_id: int | None = None,
                  im_end_token_id: int | None = None, **kwargs):
-        self.vision = dict(vision or {"backbone": "tiny-vit"})
-        self.projector = dict(projector or {})
+        self.vision = _mapping(vision, "vision") or {"backbone": "tiny-vit"}
+        self.projector = _mapping(projector, "projector")
         if text_config is None:
             text_config = ConceptMoEConfig()
         elif isinstance(text_config, dict):
@@ -55,8 +82,13 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.im_start_token_id = im_start_token_id
         self.im_end_token_id = im_end_token_id
         super().__init__(**kwargs)
-        self.vision_config  # validate early: one clear line on a bad value
+        _check_vision(self.vision_config)  # validate early: one clear line on a bad value
         self.projector_config
+        vocab = text_config.vocab_size
+        for name in _TOKEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab):
+                raise _err(name, f"must be null or a token id in [0, vocab_size={vocab}), got {value!r}")
 
     @property
     def vision_config(self) -> VisionEncoderConfig:
@@ -79,14 +111,18 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         for key in raw:
             if key not in allowed:
                 raise ConfigError(f"config error: {key}: unknown config key (expected one of {sorted(allowed)})")
-        vision, projector = dict(raw.get("vision") or {}), dict(raw.get("projector") or {})
+        vision, projector = _mapping(raw.get("vision"), "vision"), _mapping(raw.get("projector"), "projector")
         text_raw: dict = {}
-        if raw.get("text_preset"):
+        if raw.get("text_preset") is not None:
+            if not isinstance(raw["text_preset"], str) or not raw["text_preset"]:
+                raise _err("text_preset", f"must be the path of a language-model preset, got {raw['text_preset']!r}")
             preset = Path(raw["text_preset"])
             if not preset.is_absolute() and base_dir is not None and (base_dir / preset).exists():
                 preset = base_dir / preset
+            if not preset.is_file():
+                raise _err("text_preset", f"file not found: {preset}")
             text_raw = load_yaml(preset)
-        text_over = dict(_flat_text(raw.get("text") or {}))
+        text_over = dict(_flat_text(_mapping(raw.get("text"), "text")))
         tokens = {k: raw[k] for k in _TOKEN_FIELDS if k in raw}
         for key, val in (overrides or {}).items():
             head, _, rest = key.partition(".")

@@ -11,6 +11,7 @@ Layout (every key optional; see ``configs/train/default.yaml`` for a full exampl
     precision: auto             # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     device: auto                # auto | cpu | cuda
     cpu_threads: null           # torch threads per CPU process (null: OMP_NUM_THREADS, else cores / local ranks)
+    dist_timeout_s: 1800        # collective timeout: a dead or stuck rank ends the run with a clear error
     model: {kind: vlm, preset: configs/model/vlm_tiny.yaml, tokenizer: data/default/tokenizer,
             init_from: null, <any model-config key>: value}           # e.g. num_experts: 16, vision: {backbone: small-vit}
     data:  {kind: mixture, config: configs/data/default.yaml, <build_loader keys>}
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -174,6 +176,7 @@ class TrainConfig:
     precision: str = _choice("auto", "auto", "fp32", "bf16")
     device: str = _choice("auto", "auto", "cpu", "cuda")
     cpu_threads: int | None = _opt(int)  # torch threads per process on CPU; null = OMP_NUM_THREADS or cores / local ranks
+    dist_timeout_s: int = 1800  # a collective waiting longer than this (a dead or stuck rank) ends the run with a clear error
     model: ModelSection = field(default_factory=ModelSection, metadata={"section": ModelSection})
     data: DataSection = field(default_factory=DataSection, metadata={"section": DataSection})
     train: TrainSection = field(default_factory=TrainSection, metadata={"section": TrainSection})
@@ -207,23 +210,46 @@ class TrainConfig:
                              ("checkpoint.keep_last", self.checkpoint.keep_last, 1), ("eval.limit", self.eval.limit, 0),
                              ("eval.batch_size", self.eval.batch_size, 1), ("data.num_workers", self.data.num_workers, 0),
                              ("log.visualize_every", self.log.visualize_every, 0),
-                             ("eval.every_steps", self.eval.every_steps, 0), ("eval.periodic_limit", self.eval.periodic_limit, 1)):
+                             ("eval.every_steps", self.eval.every_steps, 0), ("eval.periodic_limit", self.eval.periodic_limit, 1),
+                             ("eval.max_new_tokens", self.eval.max_new_tokens, 1)):
             if val < lo:
                 raise _err(key, f"must be >= {lo}, got {val}")
-        if t.lr <= 0:
-            raise _err("train.lr", f"must be > 0, got {t.lr}")
-        if not 0.0 <= t.min_lr_ratio <= 1.0:
-            raise _err("train.min_lr_ratio", f"must lie in [0, 1], got {t.min_lr_ratio}")
-        if t.weight_decay < 0 or t.grad_clip < 0 or t.eps <= 0:
-            bad = "train.weight_decay" if t.weight_decay < 0 else "train.grad_clip" if t.grad_clip < 0 else "train.eps"
-            raise _err(bad, "must be >= 0 (eps > 0)")
-        if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+        # optional counts of the data loader (null = the data YAML's value or the loader default)
+        for key, val, lo in (("data.max_length", self.data.max_length, 2), ("data.block_size", self.data.block_size, 1),
+                             ("data.min_samples_for_bad_check", self.data.min_samples_for_bad_check, 0),
+                             ("data.num_samples", self.data.num_samples, 1)):
+            if val is not None and val < lo:
+                raise _err(key, f"must be >= {lo} (or null), got {val}")
+        _number("train.lr", t.lr, 0, strict=True)
+        _number("train.min_lr_ratio", t.min_lr_ratio, 0, high=1)
+        _number("train.weight_decay", t.weight_decay, 0)
+        _number("train.grad_clip", t.grad_clip, 0)
+        _number("train.eps", t.eps, 0, strict=True)
+        if len(t.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in t.betas):
             raise _err("train.betas", f"must be two numbers in [0, 1), got {t.betas}")
         if t.stop_at_step is not None and not 1 <= t.stop_at_step <= t.max_steps:
             raise _err("train.stop_at_step", f"must lie in [1, train.max_steps={t.max_steps}], got {t.stop_at_step}")
         for part in PARTS:
-            if getattr(t.lr_mult, part) < 0:
-                raise _err(f"train.lr_mult.{part}", "must be >= 0")
+            _number(f"train.lr_mult.{part}", getattr(t.lr_mult, part), 0)
+        if not all(_type_ok(s, int) and s >= 0 for s in t.fault_nonfinite_steps):
+            raise _err("train.fault_nonfinite_steps", f"must be a list of step numbers >= 0, got {t.fault_nonfinite_steps!r}")
+        if self.data.max_bad_fraction is not None:
+            _number("data.max_bad_fraction", self.data.max_bad_fraction, 0, high=1)
+        if self.log.peak_flops is not None:
+            _number("log.peak_flops", self.log.peak_flops, 0, strict=True)
+        if not 0 <= self.seed < 2**32:
+            raise _err("seed", f"must lie in [0, 2**32), got {self.seed}")
+        if not self.name or self.name in (".", "..") or "/" in self.name or "\\" in self.name:
+            raise _err("name", f"must be a plain folder name (no '/', not '.' or '..'), got {self.name!r}")
+        for key, val in (("output_dir", self.output_dir), ("model.preset", self.model.preset),
+                         ("model.tokenizer", self.model.tokenizer), ("model.init_from", self.model.init_from),
+                         ("data.config", self.data.config), ("data.root", self.data.root),
+                         ("checkpoint.dir", self.checkpoint.dir), ("eval.vqa_json", self.eval.vqa_json),
+                         ("eval.image_root", self.eval.image_root)):
+            if val is not None and not val.strip():
+                raise _err(key, "must be a path (or null), got an empty string")
+        if self.data.datasets is not None:
+            _check_datasets(self.data.datasets)
         if self.model.kind == "lm" and t.stage == "align":
             raise _err("train.stage", "'align' trains the projector and needs model.kind: vlm")
         if self.deepspeed not in ZERO_PRESETS and not Path(self.deepspeed).is_file():
@@ -232,6 +258,8 @@ class TrainConfig:
             raise _err("data.config", "a mixture needs data.config (a data YAML) or data.datasets")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise _err("cpu_threads", "must be >= 1 (or null)")
+        if self.dist_timeout_s < 1:
+            raise _err("dist_timeout_s", f"must be >= 1 second, got {self.dist_timeout_s}")
         if self.data.synthetic_vocab < 8:
             raise _err("data.synthetic_vocab", "must be >= 8")
         if self.data.padding_side not in (None, "right", "left"):
@@ -241,6 +269,53 @@ class TrainConfig:
         if self.deepspeed in ZERO_PRESETS:
             return REPO_ROOT / "configs" / "deepspeed" / f"{self.deepspeed}.json"
         return Path(self.deepspeed)
+
+
+def _finite(value) -> bool:
+    """A real number (not a bool) that is not NaN or +-inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _number(key: str, value, low: float, strict: bool = False, high: float | None = None) -> None:
+    """``value`` is finite, >= low (> low when strict) and <= high when given."""
+    ok = _finite(value) and (value > low if strict else value >= low) and (high is None or value <= high)
+    if not ok:
+        bound = f"> {low}" if strict else f">= {low}"
+        if high is not None:
+            bound += f" and <= {high}"
+        raise _err(key, f"must be a finite number {bound}, got {value!r}")
+
+
+DATASET_TYPES = ("llava_json", "text")  # data_pipelines.mixture.DATASET_TYPES (not imported: torch)
+DATASET_KEYS = ("name", "type", "path", "image_root", "weight", "max_image_pixels")
+
+
+def _check_datasets(datasets: list) -> None:
+    """data.datasets entries as data_pipelines.mixture.build_sources reads them."""
+    if not datasets:
+        raise _err("data.datasets", "must list at least one dataset (or be null)")
+    for i, entry in enumerate(datasets):
+        key = f"data.datasets[{i}]"
+        if not isinstance(entry, dict):
+            raise _err(key, f"must be a mapping with type and path, got {entry!r}")
+        for k in entry:
+            if k not in DATASET_KEYS:
+                raise _err(f"{key}.{k}", f"unknown config key (known here: {', '.join(DATASET_KEYS)})")
+        if entry.get("type") not in DATASET_TYPES:
+            raise _err(f"{key}.type", f"must be one of {list(DATASET_TYPES)}, got {entry.get('type')!r}")
+        for k in ("path", "image_root", "name"):
+            val = entry.get(k)
+            if (k == "path" or val is not None) and (not isinstance(val, str) or not val.strip()):
+                raise _err(f"{key}.{k}", f"must be a non-empty string, got {val!r}")
+        if "weight" in entry:
+            _number(f"{key}.weight", entry["weight"], 0)
+        if "max_image_pixels" in entry and not (_type_ok(entry["max_image_pixels"], int) and entry["max_image_pixels"] >= 1):
+            raise _err(f"{key}.max_image_pixels", f"must be an integer >= 1, got {entry['max_image_pixels']!r}")
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -297,7 +372,10 @@ def _build(cls, raw: Any, prefix: str):
         if tp is not None and not _type_ok(val, tp):
             raise _err(name, f"must be of type {tp.__name__}, got {val!r}")
         if tp is float:
-            val = float(val)
+            try:
+                val = float(val)
+            except OverflowError:
+                raise _err(name, f"number out of range, got {val!r}") from None
         if "choices" in f.metadata and val not in f.metadata["choices"]:
             raise _err(name, f"must be one of {list(f.metadata['choices'])}, got {val!r}")
         kwargs[key] = val
