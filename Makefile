@@ -42,8 +42,10 @@ bench: $(DATA_STAMP)
 compare: $(DATA_STAMP)
 	$(PY) -m vlm.compare --config $(COMPARE)
 
-faults:
-	@echo "make faults: the fault-injection suite is not built yet (see README, Status)" >&2; exit 2
+# fault injection + soak (table in runs/faults/faults.md), then the input fuzzers at 10x their CI size
+faults: $(DATA_STAMP)
+	$(PY) -m vlm.reliability --out runs/faults
+	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/test_fuzz_inputs.py tests/test_config_fuzz.py
 
 clean:
 	rm -rf runs/ $(DATA_DIR)

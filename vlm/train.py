@@ -13,7 +13,8 @@ Overrides: ``train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=ze
 ``vlm/training/train_config.py``). ``--resume auto`` continues from the newest complete checkpoint
 of the run (``runs/<name>/ckpt``) or starts fresh if there is none; ``--resume PATH`` takes a
 checkpoint folder (``.../step_000123``) or a checkpoint dir. Exit codes: 0 done, 2 config error,
-3 aborted on non-finite steps.
+3 aborted on non-finite steps, 4 a collective failed (another rank died or stalled longer than
+``dist_timeout_s``), 5 a checkpoint could not be written (e.g. disk full; the previous one is intact).
 """
 from __future__ import annotations
 
@@ -68,12 +69,28 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    from vlm.training.checkpoint import CheckpointWriteError, find_checkpoint
+    from vlm.training.distributed import collective_failure
+
     try:
         trainer.fit()
+        trainer.finish()
     except NonFiniteAbort as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 3
-    trainer.finish()
+    except CheckpointWriteError as err:
+        if trainer.is_main:  # every rank holds the same message
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return 5
+    except Exception as err:
+        why = collective_failure(err)
+        if why is None:
+            raise
+        print(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
+              f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
+              f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
+              file=sys.stderr, flush=True)
+        os._exit(4)  # the process group is broken: skip interpreter teardown, which could block on it
     import torch
 
     if torch.distributed.is_initialized():

@@ -26,9 +26,12 @@ one, which is also complete). ``find_checkpoint`` never returns a ``.tmp`` folde
 ``trainer_state.json`` and all of its ``rank_*.json`` files. The checkpoint folder must be on a
 filesystem that all ranks share (as DeepSpeed itself assumes by default).
 
-Fault injection for tests (never set in real runs): ``VLM_TRAIN_FAULT=kill_during_save:<step>``
-SIGKILLs rank 0 between steps 3 and 4 of the save of that step; ``kill_after_save:<step>`` right
-after the save completed.
+A write that fails (a full disk: ``OSError`` ENOSPC, or any other ``OSError``) on any rank makes
+every rank raise ``CheckpointWriteError`` (one line): the ranks agree through one all-reduce, the
+half-written ``.tmp`` folder is removed, ``latest`` is never pointed at it, and the previous
+checkpoint stays the newest complete one.
+
+Fault injection (tests and ``make faults`` only): ``VLM_TRAIN_FAULT``, see ``fault_injection.py``.
 """
 from __future__ import annotations
 
@@ -38,11 +41,12 @@ import os
 import random
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from vlm.training import fault_injection as inject
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -204,10 +208,8 @@ def _step_of(path: Path) -> int:
 
 
 # --- save / load --------------------------------------------------------------------------------
-def _fault(kind: str, step: int) -> None:
-    spec = os.environ.get("VLM_TRAIN_FAULT", "")
-    if spec == f"{kind}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the previous one is intact."""
 
 
 def _barrier() -> None:
@@ -215,9 +217,28 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _first_error(err: OSError | None, rank: int) -> str | None:
+    """Collective (also a barrier): ``"rank r: <error>"`` for the lowest rank whose write failed,
+    the same string on every rank; None if every rank succeeded."""
+    mine = None if err is None else f"rank {rank}: {err}"
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return mine
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return next((e for e in everyone if e is not None), None)
+
+
+def _write_error(ckpt_dir: Path, name: str, cause: str) -> CheckpointWriteError:
+    prev = find_checkpoint(ckpt_dir)
+    return CheckpointWriteError(
+        f"checkpoint {name} was not written ({cause}); the newest complete checkpoint is "
+        f"{prev if prev else 'none'} (intact). Free space or fix the disk, then resume with --resume auto")
+
+
 def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_state: dict,
          keep_last: int = 2, rank: int = 0, world_size: int = 1) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    """Collective: every rank calls it. Returns the final checkpoint folder; raises
+    ``CheckpointWriteError`` on every rank if any rank's write failed."""
     ckpt_dir = Path(ckpt_dir)
     name = step_dir_name(step)
     final, tmp = ckpt_dir / name, ckpt_dir / f"{name}.tmp"
@@ -226,15 +247,51 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
         if tmp.exists():
             shutil.rmtree(tmp)
     _barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tmp.name, client_state={}, save_latest=False)
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_json(tmp / rank_file(rank), {"rank": rank, "step": step, **rank_state})
-    _barrier()
+    err: OSError | None = None
+    try:
+        with inject.engine_writer(engine, step, rank):
+            engine.save_checkpoint(str(ckpt_dir), tag=tmp.name, client_state={}, save_latest=False)
+    except OSError as e:
+        # DeepSpeed writes between its tag-validation collective and a closing barrier, which this
+        # rank skipped by raising: take that barrier so the ranks stay in step, then agree below.
+        err = e
+        _barrier()
+    if err is None:
+        inject.kill_point("after_engine", step, rank)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            inject.enospc_point("rank_state", step, rank, tmp / rank_file(rank))
+            write_json(tmp / rank_file(rank), {"rank": rank, "step": step, **rank_state})
+        except OSError as e:
+            err = e
+    cause = _first_error(err, rank)
+    if cause is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        raise _write_error(ckpt_dir, name, cause)
     if rank == 0:
-        _fault("kill_during_save", step)
-        write_json(tmp / TRAINER_STATE, {"format_version": FORMAT_VERSION, "step": step,
-                                         "world_size": world_size, **trainer_state})
+        try:
+            _commit(ckpt_dir, name, step, tmp, final, {"format_version": FORMAT_VERSION, "step": step,
+                                                        "world_size": world_size, **trainer_state}, keep_last)
+        except OSError as e:
+            err = e
+    cause = _first_error(err, rank)
+    if cause is not None:
+        raise _write_error(ckpt_dir, name, cause)
+    return final
+
+
+def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state: dict, keep_last: int) -> None:
+    """Rank 0: trainer_state.json, fsync, rename, ``latest``, prune. On an OSError before the rename
+    the tmp folder is removed; after it, the new checkpoint is complete (``find_checkpoint`` takes it
+    even if ``latest`` could not be updated)."""
+    try:
+        inject.kill_point("before_state", step, 0)
+        inject.enospc_point("trainer_state", step, 0, tmp / TRAINER_STATE)
+        write_json(tmp / TRAINER_STATE, state)
         fsync_tree(tmp)
+        inject.kill_point("before_rename", step, 0)
         if final.exists():  # re-saving the same step (e.g. resumed at the final step): replace it
             old = ckpt_dir / f"{name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -243,12 +300,19 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        fsync_dir(ckpt_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(ckpt_dir)
+    inject.kill_point("before_latest", step, 0)
+    try:
+        inject.enospc_point("latest", step, 0, ckpt_dir / (LATEST + ".tmp"))
         atomic_write_text(ckpt_dir / LATEST, name + "\n")
-        prune(ckpt_dir, keep_last, protect=final)
-        _fault("kill_after_save", step)
-    _barrier()
-    return final
+    except OSError:
+        (ckpt_dir / (LATEST + ".tmp")).unlink(missing_ok=True)
+        raise
+    prune(ckpt_dir, keep_last, protect=final)
+    inject.kill_point("after_save", step, 0)
 
 
 def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:

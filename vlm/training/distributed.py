@@ -66,6 +66,22 @@ def disable_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def set_default_collective_timeout(timeout_s: int) -> None:
+    """Make ``timeout_s`` the timeout of every process group, not only the default one.
+
+    DeepSpeed creates its own groups (data parallel, ...) with ``torch.distributed.new_group`` and
+    no timeout, and torch then uses its module default (30 min for gloo, 10 min for NCCL), read at
+    call time from ``distributed_c10d.default_pg_timeout`` / ``default_pg_nccl_timeout``: so a
+    stalled rank would block ZeRO's gradient reductions for that long whatever we passed to
+    ``init_distributed``. Setting both module defaults before the groups exist fixes that."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(c10d, name, None), timedelta):
+            setattr(c10d, name, timeout)
+
+
 def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None = None) -> dict:
     """Initialise torch.distributed through DeepSpeed; returns rank / world / local_rank info."""
     set_env_defaults()
@@ -86,11 +102,28 @@ def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         torch.cuda.set_device(local_rank)
+    set_default_collective_timeout(timeout_s)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
                                    timeout=timedelta(seconds=timeout_s), verbose=False)
     return {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
             "local_rank": local_rank, "device": device}
+
+
+COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out",
+                            "broken pipe", "watchdog")
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """One line saying why, if ``err`` is a failed or timed-out collective (a peer rank died or
+    stalled past ``dist_timeout_s``); None for any other error."""
+    text = str(err).strip()
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if not (isinstance(err, dist_error) or (isinstance(err, RuntimeError) and any(
+            m in text.lower() for m in COLLECTIVE_FAILURE_MARKS))):
+        return None
+    first = text.splitlines()[0] if text else type(err).__name__
+    return f"{type(err).__name__}: {first[:300]}"
 
 
 def barrier() -> None:

@@ -130,6 +130,19 @@ class WindowStats:
         return {"sums": sums, "count": cnt, "experts": experts}
 
 
+def process_health() -> dict:
+    """This process's resident memory (MiB) and open file descriptors, from Linux /proc ({} where
+    there is no /proc): logged with every record so a leak shows up in metrics.jsonl."""
+    out = {}
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            out["rss_mib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+        out["open_fds"] = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def summarize(red: dict, elapsed: float, world_size: int) -> dict:
     s, c = red["sums"], red["count"]
     finite_micro = max(c["micro"] - c["nonfinite"], 1.0)

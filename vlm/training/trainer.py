@@ -21,7 +21,6 @@ parameters of the causal-LM wrapper (see ``register_zero3_external``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from vlm.training import checkpoint as ckpt
-from vlm.training import optim
+from vlm.training import finish, optim, periodic
 from vlm.training.data import (
     build_loader,
     build_model,
@@ -51,10 +50,12 @@ from vlm.training.metrics import (
     MetricsLogger,
     WindowStats,
     guess_peak_flops,
+    process_health,
     summarize,
     train_flops_per_token,
 )
 from vlm.training.train_config import TrainConfig
+from vlm.training.zero3 import prepare_zero3, register_zero3_external
 
 
 class NonFiniteAbort(RuntimeError):
@@ -71,57 +72,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _input_requires_grad(module, args, kwargs):
-    """Forward pre-hook: make the first tensor input require grad (see ``prepare_zero3``)."""
-    if args and torch.is_tensor(args[0]) and args[0].is_floating_point() and not args[0].requires_grad:
-        args = (args[0].detach().requires_grad_(True), *args[1:])
-    return args, kwargs
-
-
-def prepare_zero3(model) -> None:
-    """Leaf modules for ZeRO-3 (see module docstring).
-
-    DeepSpeed reduces a leaf module's gradients from a full backward hook on that module; when no
-    input of the module requires grad (the vision tower reads raw pixels) that hook fires as soon
-    as the gradients w.r.t. its OUTPUTS exist, i.e. before the tower's own backward, and the
-    gradient accumulation then hits released (size-0) parameters. So a trainable vision tower gets
-    a pre-hook that makes its pixel input require grad (a negligible extra gradient)."""
-    from deepspeed.utils import set_z3_leaf_modules
-
-    from vlm.modeling.moe import MoEFeedForward
-
-    leaves = [MoEFeedForward]
-    vision = getattr(model, "vision", None)
-    if vision is not None:
-        leaves.append(type(vision))
-        if any(p.requires_grad for p in vision.parameters()):
-            vision.register_forward_pre_hook(_input_requires_grad, with_kwargs=True)
-    set_z3_leaf_modules(model, leaves)
-
-
-def register_zero3_external(engine_module) -> None:
-    """The chunker's W_q / W_k are read by ``ConceptMoEModel`` (not through the chunker's own
-    forward), so ZeRO-3 would never gather them. Register them as external parameters of the
-    causal-LM wrapper: gathered in its forward and, because its output (a ModelOutput, i.e. a dict)
-    carries the loss, again from the start of its backward until its inputs' gradients are done --
-    which includes the chunker's backward. (The backbone itself returns a plain dataclass, which
-    DeepSpeed cannot hook for the backward pass.)"""
-    import deepspeed
-
-    lm = getattr(engine_module, "language_model", engine_module)
-    backbone = getattr(lm, "model", None)
-    chunker = getattr(backbone, "chunker", None) if backbone is not None else None
-    if chunker is not None:
-        for p in chunker.parameters():
-            deepspeed.zero.register_external_parameter(lm, p)
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None):
         self.cfg = cfg
         self.t_start = time.time()
         self.device = resolve_device(cfg.device)
-        info = init_distributed(self.device, cpu_threads=cfg.cpu_threads)
+        info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
         self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
         self.is_main = self.rank == 0
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device == "cuda")
@@ -332,9 +288,9 @@ class Trainer:
                     self.print(f"[train] {msg}")
                     raise NonFiniteAbort(msg)
                 if cfg.log.visualize_every and self.step % cfg.log.visualize_every == 0:
-                    self._visualize()
+                    periodic.boundary_picture(self)
                 if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
-                    self._periodic_eval()
+                    periodic.periodic_vqa(self)
                 if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and not last:
                     self.save_checkpoint()
             if window.micro and not exhausted:
@@ -366,6 +322,7 @@ class Trainer:
             rec["flops_per_token"] = fpt
             rec["mfu"] = rec["tokens_per_s"] * fpt / (self.peak_flops * self.world_size)
         rec["time_s"] = round(time.time() - self.t_start, 3)
+        rec.update(process_health())
         self.last_record = rec
         self.logger.log(rec)
 
@@ -382,149 +339,13 @@ class Trainer:
                 total[k] = total.get(k, 0) + int(v)
         return total
 
-    def _visualize(self) -> None:
-        """Optional hook: a boundary picture via ``vlm.visualize.render_boundaries`` on the first
-        eval.vqa_json question, saved to <run>/boundaries/ and TensorBoard. Skipped silently when
-        ``vlm.visualize`` is missing, and skipped for ZeRO-3 (rank 0 holds only a shard)."""
-        if not self.is_main or self.processor is None or self.zero_stage == 3 or not self.cfg.eval.vqa_json:
-            return
-        try:
-            from vlm.visualize import render_boundaries
-        except ImportError:
-            return
-        try:
-            import json as _json
-            import os as _os
-
-            from data_pipelines.images import load_image
-
-            with open(self.cfg.eval.vqa_json, encoding="utf-8") as f:
-                rec = _json.load(f)[0]
-            image = load_image(_os.path.join(self.cfg.eval.image_root or "", rec["image"]))
-            prompt = rec["conversations"][0]["value"]
-            picture = render_boundaries(self.engine.module, self.processor, [image], prompt)
-            path = self.run_dir / "boundaries" / f"step_{self.step:06d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            picture.save(path)
-            if self.logger.tb is not None:
-                arr = torch.from_numpy(np.array(picture.convert("RGB"))).permute(2, 0, 1)
-                self.logger.tb.add_image("boundaries", arr, self.step)
-        except Exception as err:  # noqa: BLE001 - an optional picture must never stop training
-            self.print(f"[train] boundary picture skipped: {type(err).__name__}: {err}")
-
-    def _periodic_eval(self) -> None:
-        """Held-out VQA on the live weights (rank 0; ZeRO-1/2 keep full weights on every rank)."""
-        e = self.cfg.eval
-        if self.zero_stage < 3 and self.is_main and e.vqa_json and self.processor is not None:
-            from vlm.training.vqa_eval import digits_vqa_accuracy
-
-            t0 = time.perf_counter()
-            res = digits_vqa_accuracy(self.engine.module, self.processor, e.vqa_json, e.image_root or "",
-                                      e.periodic_limit, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
-            rec = {"step": self.step, "eval_vqa_accuracy": res["accuracy"],
-                   **{f"eval_vqa_{k}": v for k, v in res["by_kind"].items()},
-                   **{f"eval_{k}": res[k] for k in ("ratio", "ratio_image", "ratio_text") if k in res},
-                   "eval_time_s": time.perf_counter() - t0}
-            self.logger.log(rec)
-            self.print(f"[train] step {self.step}: held-out VQA {res['accuracy']:.1%} on {res['total']} questions")
-        barrier()
-
-    # --- export and eval ------------------------------------------------------------------------
-    def export_hf(self) -> Path | None:
-        """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0."""
-        out_dir = self.run_dir / "hf"
-        module = self.engine.module
-        if self.zero_stage == 3:
-            import deepspeed
-
-            params = list(module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if self.is_main:
-                    state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-        else:
-            state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.is_main else None
-        if self.is_main:
-            fresh = build_model(self.model_config, self.cfg.model.kind)
-            missing, unexpected = fresh.load_state_dict(state, strict=False)
-            if unexpected or [m for m in missing if "lm_head" not in m]:
-                raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
-            fresh.save_pretrained(str(out_dir))
-            if self.processor is not None:
-                self.processor.save_pretrained(str(out_dir))
-            elif self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(out_dir))
-            self.print(f"[train] exported Hugging Face model to {out_dir}")
-        barrier()
-        return out_dir
-
-    def evaluate(self, hf_dir: Path | None) -> dict | None:
-        """Rank 0: held-out digits VQA on the exported model (loaded back with from_pretrained)."""
-        e = self.cfg.eval
-        result = None
-        if self.is_main and e.vqa_json and self.cfg.model.kind == "vlm" and self.processor is not None:
-            from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-            from vlm.training.vqa_eval import digits_vqa_accuracy
-
-            if hf_dir is not None and (hf_dir / "config.json").is_file():
-                model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
-            elif self.zero_stage < 3:
-                model = self.engine.module
-            else:
-                model = None
-            if model is not None:
-                model = model.to(self.model_device).float() if self.device == "cpu" else model.to(self.model_device)
-                t0 = time.perf_counter()
-                result = digits_vqa_accuracy(model, self.processor, e.vqa_json, e.image_root or "", e.limit,
-                                             batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
-                result["eval_time_s"] = time.perf_counter() - t0
-        barrier()
-        return result
-
-    def summary(self, eval_result: dict | None) -> str:
-        rec = self.last_record
-        wall = time.time() - self.t_start
-        rows = [("steps", f"{self.step} ({self.skipped_steps} skipped)"),
-                ("final train loss (lm)", f"{rec.get('loss', float('nan')):.4f} ({rec.get('lm_loss', float('nan')):.4f})")]
-        if eval_result:
-            acc = f"{eval_result['accuracy']:.1%} ({eval_result['correct']}/{eval_result['total']})"
-            rows.append(("held-out VQA accuracy", acc))
-            for kind, acc in eval_result.get("by_kind", {}).items():
-                rows.append((f"  {kind}", f"{acc:.1%}"))
-            for key in ("ratio", "ratio_image", "ratio_text"):
-                if key in eval_result:
-                    rows.append((f"eval achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
-                                 f"{eval_result[key]:.2f}"))
-        for key in ("ratio", "ratio_image", "ratio_text"):
-            if key in rec:
-                rows.append((f"train achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
-                             f"{rec[key]:.2f}"))
-        tps = self.tokens_seen / self.train_time_s if self.train_time_s else float("nan")
-        rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
-        if "mfu" in rec:
-            rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {self.peak_flops:.3g} FLOP/s/device"))
-        rows.append(("train time", f"{self.train_time_s:.1f} s"))
-        rows.append(("wall time (incl. startup, export, eval)", f"{wall:.1f} s"))
-        width = max(len(r[0]) for r in rows)
-        line = "+" + "-" * (width + 2) + "+" + "-" * 34 + "+"
-        body = [line, f"| {'summary: ' + self.cfg.name:<{width}} | {'':<32} |", line]
-        body += [f"| {k:<{width}} | {v:<32} |" for k, v in rows]
-        body.append(line)
-        return "\n".join(body)
-
+    # --- after training (vlm/training/finish.py) -------------------------------------------------
     def finish(self) -> dict:
         """Export (if asked), eval (if configured), summary table. Collective."""
-        hf_dir = self.export_hf() if self.cfg.checkpoint.export_hf else None
-        result = self.evaluate(hf_dir)
-        table = self.summary(result)
-        if self.is_main:
-            print(table, flush=True)
-            with open(self.run_dir / "summary.json", "w", encoding="utf-8") as f:
-                json.dump({"step": self.step, "skipped_steps": self.skipped_steps, "eval": result,
-                           "train_time_s": self.train_time_s, "wall_time_s": time.time() - self.t_start,
-                           "tokens_seen": self.tokens_seen,
-                           "last_metrics": {k: v for k, v in self.last_record.items() if k != "expert_load"}},
-                          f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
-        return {"eval": result, "summary": table}
+        return finish.finish(self)
+
+    def export_hf(self) -> Path | None:
+        return finish.export_hf(self)
 
     def close(self) -> None:
         self.logger.close()

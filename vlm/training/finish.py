@@ -1,0 +1,111 @@
+"""After training: the Hugging Face export (gathered under ZeRO-3), the held-out VQA evaluation of
+the exported model, and the summary table / summary.json."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from vlm.training.data import build_model
+from vlm.training.distributed import barrier
+
+
+def export_hf(tr) -> Path | None:
+    """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0."""
+    out_dir = tr.run_dir / "hf"
+    module = tr.engine.module
+    if tr.zero_stage == 3:
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if tr.is_main:
+                state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    else:
+        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if tr.is_main else None
+    if tr.is_main:
+        fresh = build_model(tr.model_config, tr.cfg.model.kind)
+        missing, unexpected = fresh.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        fresh.save_pretrained(str(out_dir))
+        if tr.processor is not None:
+            tr.processor.save_pretrained(str(out_dir))
+        elif tr.tokenizer is not None:
+            tr.tokenizer.save_pretrained(str(out_dir))
+        tr.print(f"[train] exported Hugging Face model to {out_dir}")
+    barrier()
+    return out_dir
+
+
+def evaluate(tr, hf_dir: Path | None) -> dict | None:
+    """Rank 0: held-out digits VQA on the exported model (loaded back with from_pretrained)."""
+    e = tr.cfg.eval
+    result = None
+    if tr.is_main and e.vqa_json and tr.cfg.model.kind == "vlm" and tr.processor is not None:
+        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+        from vlm.training.vqa_eval import digits_vqa_accuracy
+
+        if hf_dir is not None and (hf_dir / "config.json").is_file():
+            model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
+        elif tr.zero_stage < 3:
+            model = tr.engine.module
+        else:
+            model = None
+        if model is not None:
+            model = model.to(tr.model_device).float() if tr.device == "cpu" else model.to(tr.model_device)
+            t0 = time.perf_counter()
+            result = digits_vqa_accuracy(model, tr.processor, e.vqa_json, e.image_root or "", e.limit,
+                                         batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
+            result["eval_time_s"] = time.perf_counter() - t0
+    barrier()
+    return result
+
+
+def summary_table(tr, eval_result: dict | None) -> str:
+    rec = tr.last_record
+    wall = time.time() - tr.t_start
+    rows = [("steps", f"{tr.step} ({tr.skipped_steps} skipped)"),
+            ("final train loss (lm)", f"{rec.get('loss', float('nan')):.4f} ({rec.get('lm_loss', float('nan')):.4f})")]
+    if eval_result:
+        acc = f"{eval_result['accuracy']:.1%} ({eval_result['correct']}/{eval_result['total']})"
+        rows.append(("held-out VQA accuracy", acc))
+        for kind, acc in eval_result.get("by_kind", {}).items():
+            rows.append((f"  {kind}", f"{acc:.1%}"))
+        for key in ("ratio", "ratio_image", "ratio_text"):
+            if key in eval_result:
+                rows.append((f"eval achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
+                             f"{eval_result[key]:.2f}"))
+    for key in ("ratio", "ratio_image", "ratio_text"):
+        if key in rec:
+            rows.append((f"train achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
+                         f"{rec[key]:.2f}"))
+    tps = tr.tokens_seen / tr.train_time_s if tr.train_time_s else float("nan")
+    rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
+    if "mfu" in rec:
+        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {tr.peak_flops:.3g} FLOP/s/device"))
+    rows.append(("train time", f"{tr.train_time_s:.1f} s"))
+    rows.append(("wall time (incl. startup, export, eval)", f"{wall:.1f} s"))
+    width = max(len(r[0]) for r in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 34 + "+"
+    body = [line, f"| {'summary: ' + tr.cfg.name:<{width}} | {'':<32} |", line]
+    body += [f"| {k:<{width}} | {v:<32} |" for k, v in rows]
+    body.append(line)
+    return "\n".join(body)
+
+
+def finish(tr) -> dict:
+    """Export (if asked), eval (if configured), summary table. Collective."""
+    hf_dir = export_hf(tr) if tr.cfg.checkpoint.export_hf else None
+    result = evaluate(tr, hf_dir)
+    table = summary_table(tr, result)
+    if tr.is_main:
+        print(table, flush=True)
+        with open(tr.run_dir / "summary.json", "w", encoding="utf-8") as f:
+            json.dump({"step": tr.step, "skipped_steps": tr.skipped_steps, "eval": result,
+                       "train_time_s": tr.train_time_s, "wall_time_s": time.time() - tr.t_start,
+                       "tokens_seen": tr.tokens_seen,
+                       "last_metrics": {k: v for k, v in tr.last_record.items() if k != "expert_load"}},
+                      f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
+    return {"eval": result, "summary": table}
