@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
 from vision_encoders.base import HUB_PREFIXES
+from vlm.config import _SECTIONS as _TEXT_SECTIONS
 from vlm.config import ConceptMoEConfig, ConfigError, load_yaml
 
 _TOKEN_FIELDS = ("image_token_id", "im_start_token_id", "im_end_token_id")
@@ -141,9 +142,11 @@ class ConceptMoEVLMConfig(PretrainedConfig):
 
 
 def _flat_text(section: dict, prefix: str = ""):
-    """``{chunking: {modality_policy: x}}`` -> ``("chunking.modality_policy", x)`` pairs."""
+    """``{chunking: {modality_policy: x}}`` -> ``("chunking.modality_policy", x)`` pairs. Only the
+    model config's sections are opened: a mapping given to a plain key (``vocab_size: {}``) is
+    passed on as it is and named by the model config's type check."""
     for key, val in section.items():
-        if isinstance(val, dict):
+        if isinstance(val, dict) and key in _TEXT_SECTIONS:
             for sub, subval in val.items():
                 yield f"{key}.{sub}", subval
         else:
