@@ -69,6 +69,17 @@ def identity_config(cfg: ConceptMoEConfig) -> ConceptMoEConfig:
     return ConceptMoEConfig(**d)
 
 
+def _load_base(cls, src: Path):
+    """from_pretrained, with a weights file that cannot be parsed (corrupt, or not safetensors) as one line."""
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(src)
+    except (SafetensorError, OSError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{src}: cannot read the weights ({first})") from None
+
+
 def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=None, decoder_layers=None,
             joint_decoding_layers: int = 4, seed: int = 0):
     require_safetensors(src)
@@ -76,7 +87,7 @@ def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=No
     torch.manual_seed(seed)
     if kind == "conceptmoe_vlm":
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-        base = ConceptMoEVLMForConditionalGeneration.from_pretrained(src)
+        base = _load_base(ConceptMoEVLMForConditionalGeneration, src)
         new_text = converted_text_config(base.config.text_config, ratio, strategy, encoder_layers, decoder_layers,
                                          joint_decoding_layers)
         cfg = base.config.__class__(vision=base.config.vision, projector=base.config.projector, text_config=new_text,
@@ -85,7 +96,7 @@ def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=No
                                     im_end_token_id=base.config.im_end_token_id)
         model = ConceptMoEVLMForConditionalGeneration(cfg)
     elif kind == "conceptmoe":
-        base = ConceptMoEForCausalLM.from_pretrained(src)
+        base = _load_base(ConceptMoEForCausalLM, src)
         model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
                                                             decoder_layers, joint_decoding_layers))
     else:

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     _quiet_imports()
     from vlm.config import ConfigError
+    from vlm.safe_loading import NotJSONError
     from vlm.training.train_config import load_train_config
 
     try:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
         trainer = Trainer(cfg, resume=args.resume)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, NotJSONError) as err:  # bad config / resume metadata
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     from vlm.training.checkpoint import CheckpointWriteError, find_checkpoint

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from vlm.training import fault_injection as inject
+from vlm.safe_loading import read_json
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -150,8 +151,10 @@ def is_complete(path: str | Path) -> bool:
     if not state_file.is_file():
         return False
     try:
-        state = json.loads(state_file.read_text())
+        state = read_json(state_file)
     except (OSError, ValueError):
+        return False
+    if not isinstance(state, dict):
         return False
     return all((path / rank_file(r)).is_file() for r in range(int(state.get("world_size", 1))))
 
@@ -171,8 +174,12 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
     pointer = ckpt_dir / LATEST
     candidates = list_checkpoints(ckpt_dir)
     newest = candidates[-1] if candidates else None
-    if pointer.is_file():
-        target = ckpt_dir / pointer.read_text().strip()
+    try:  # an unreadable pointer (binary, not UTF-8) counts as absent: fall back to the scan
+        name = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    if name and "/" not in name and name not in (".", ".."):
+        target = ckpt_dir / name
         if is_complete(target):
             # a crash between the rename and the pointer update leaves a newer complete one
             if newest is not None and _step_of(newest) > _step_of(target):
@@ -334,7 +341,7 @@ def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[P
 def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, dict]:
     """Collective: load the engine state; returns (trainer_state, this rank's state)."""
     path = Path(path)
-    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    trainer_state = read_json(path / TRAINER_STATE)
     saved_world = int(trainer_state.get("world_size", 1))
     if saved_world != world_size:
         raise RuntimeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
@@ -343,5 +350,5 @@ def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, di
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
-    rank_state = json.loads((path / rank_file(rank)).read_text())
+    rank_state = read_json(path / rank_file(rank))
     return trainer_state, rank_state
