@@ -24,7 +24,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import harness as H
 
@@ -65,62 +64,6 @@ def build_hf(shape: dict, impl: str, ours, device, dtype):
     return blk.to(device, dtype)
 
 
-def unbind_sorted_forward(module, x_BTD: torch.Tensor) -> torch.Tensor:
-    """PROPOSAL (not the model's code): ``MoEFeedForward.experts_sorted`` with ONE change, the per-expert
-    weights taken as views from ``w.unbind(0)`` instead of ``w[e]``. Same math, same outputs.
-
-    Why: the backward of ``w[e]`` (``select_backward``) allocates a zero tensor of the WHOLE [E, ...]
-    weight for every expert and accumulates E of them, i.e. E full-size fills and adds per weight per
-    backward; ``unbind``'s backward is one ``stack`` of the per-expert gradients.
-    """
-    B, T, D = x_BTD.shape
-    x = x_BTD.reshape(B * T, D)
-    _, _, w_NK, e_NK = module.route(x)
-    K = e_NK.shape[1]
-    flat = e_NK.reshape(-1)
-    order = flat.argsort(stable=True)
-    tok = order // K
-    counts = torch.bincount(flat, minlength=module.num_experts).tolist()
-    wg, wu, wd = module.w_gate.unbind(0), module.w_up.unbind(0), module.w_down.unbind(0)
-    outs = []
-    for e, x_e in enumerate(torch.split(x[tok], counts)):
-        if x_e.shape[0]:
-            outs.append((F.silu(x_e @ wg[e]) * (x_e @ wu[e])) @ wd[e])
-    y = torch.cat(outs) * w_NK.reshape(-1)[order, None].to(x.dtype)
-    out = x.new_zeros(B * T, D)
-    out.index_add_(0, tok, y)
-    return out.view(B, T, D)
-
-
-def _unbind_grouped_swiglu(x_ND, counts, w_gate_EDI, w_up_EDI, w_down_EID):
-    """Drop-in for ``vlm.modeling.moe._grouped_swiglu`` with the ``unbind`` change (CPU / non-bf16 path)."""
-    if x_ND.is_cuda and hasattr(torch, "_grouped_mm") and x_ND.dtype == torch.bfloat16:
-        return _ORIGINAL_GROUPED_SWIGLU[0](x_ND, counts, w_gate_EDI, w_up_EDI, w_down_EID)
-    wg, wu, wd = w_gate_EDI.unbind(0), w_up_EDI.unbind(0), w_down_EID.unbind(0)
-    outs = [(F.silu(x_e @ wg[e]) * (x_e @ wu[e])) @ wd[e]
-            for e, x_e in enumerate(torch.split(x_ND, counts)) if x_e.shape[0]]
-    return torch.cat(outs) if outs else x_ND.new_zeros(0, w_down_EID.shape[-1])
-
-
-_ORIGINAL_GROUPED_SWIGLU: list = []
-
-
-class proposed_dispatch:  # noqa: N801 - used as a context manager
-    """Temporarily route ``MoEFeedForward``'s sorted dispatch through ``_unbind_grouped_swiglu`` (for the
-    opt-in ``benchmarks.train --proposal-unbind`` measurement; the model's source is untouched)."""
-
-    def __enter__(self):
-        import vlm.modeling.moe as moe_mod
-        _ORIGINAL_GROUPED_SWIGLU[:] = [moe_mod._grouped_swiglu]
-        moe_mod._grouped_swiglu = _unbind_grouped_swiglu
-        return self
-
-    def __exit__(self, *exc):
-        import vlm.modeling.moe as moe_mod
-        moe_mod._grouped_swiglu = _ORIGINAL_GROUPED_SWIGLU[0]
-        return False
-
-
 def run(argv=None) -> dict:
     ap = H.base_parser(NAME, __doc__.split("\n")[0], "token counts per call, e.g. 256,2048")
     ap.add_argument("--shape", default=None, help="smoke | cpu | gpu or hidden,experts,top_k,inter (default by preset)")
@@ -130,12 +73,9 @@ def run(argv=None) -> dict:
     ap.add_argument("--batched-mm-cap-gb", type=float, default=None,
                     help="skip batched_mm when its per-pair weight copies exceed this (default 1.5 CPU, 20 CUDA)")
     ap.add_argument("--no-backward", action="store_true", help="forward only")
-    ap.add_argument("--no-proposal", action="store_true", help="leave out the proposed-dispatch variant")
     args = ap.parse_args(argv)
     s = H.setup(NAME, args, PRESETS, REPS)
     log = H.logger(s)
-    if s.is_cuda and s.dtype == torch.bfloat16:
-        args.no_proposal = True  # the proposal changes the non-grouped (CPU / fp32) path only
     key = args.shape or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
     if key in SHAPES:
         shape = dict(SHAPES[key])
@@ -173,9 +113,6 @@ def run(argv=None) -> dict:
               "per-expert loop over contiguous sorted segments); ours_loop = the per-expert masked reference\n"
               "- hf_* = `transformers.models.qwen3_moe.Qwen3MoeSparseMoeBlock` with `config._experts_implementation` "
               "= eager / grouped_mm / batched_mm, the same weights (max abs diff column)\n"
-              "- proposal_unbind = a PROPOSED change to ours_sorted (benchmarks/moe.py `unbind_sorted_forward`): "
-              "per-expert weights from `w.unbind(0)` instead of `w[e]`, whose backward zero-fills the whole [E, ...] "
-              "weight once per expert; NOT the model's code\n"
               "- expert FLOP/s = active-expert FLOPs (forward 6·T·k·d·I, forward+backward 3x) / median time; "
               "'of peak' divides by the median rate of a square matmul timed in the same interleaved rounds\n\n"
               + table + "\n")
@@ -203,8 +140,6 @@ def run(argv=None) -> dict:
                 y = m(x)
                 y = (y[0] if isinstance(y, tuple) else y).float()
                 check[name] = float((y - y_ref).abs().max())
-            if not args.no_proposal:
-                check["proposal_unbind"] = float((unbind_sorted_forward(ref, x).float() - y_ref).abs().max())
         flops_fwd = 6.0 * T * K * D * I
         entry = {"tokens": T, "max_abs_diff_vs_ours": check, "skipped": skipped, "flops_forward": flops_fwd}
         for mode in modes:
@@ -224,19 +159,6 @@ def run(argv=None) -> dict:
                         y = m(xg)
                         (y[0] if isinstance(y, tuple) else y).backward(grad_out)
                 variants[name] = fn
-            if not args.no_proposal:
-                if mode == "forward":
-                    def prop():
-                        with torch.no_grad():
-                            return unbind_sorted_forward(ref, x)
-                else:
-                    xg2 = x.detach().clone().requires_grad_(True)
-
-                    def prop(xg2=xg2):
-                        for p in (xg2, *ref.parameters()):
-                            p.grad = None
-                        unbind_sorted_forward(ref, xg2).backward(grad_out)
-                variants["proposal_unbind"] = prop
             variants["matmul_peak"] = peak_fn
             inner = 1 if not s.is_cuda else 5
             log(f"T={T} {mode}: {len(variants)} variants, {s.warmup} warm-up + {s.reps} rounds")

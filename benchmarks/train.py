@@ -43,26 +43,12 @@ def run(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=None, help="rows per step (default 2 CPU, 16 CUDA, 2 smoke)")
     ap.add_argument("--boundary-mode", choices=("fixed", "dynamic"), default="fixed")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--proposal-unbind", action="store_true",
-                    help="opt-in: run both models with the MoE dispatch PROPOSED in benchmarks/moe.py (per-expert "
-                         "weights via unbind); results go to train_proposal_unbind.*")
     args = ap.parse_args(argv)
-    if args.proposal_unbind:
-        from benchmarks.moe import proposed_dispatch
-        if not args.tag:
-            args.tag = "proposal_unbind"
-        argv2 = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--proposal-unbind"]
-        if "--tag" not in argv2:
-            argv2 += ["--tag", args.tag]
-        with proposed_dispatch():
-            return run(argv2)
     s = H.setup(NAME, args, PRESETS, REPS)
     log = H.logger(s)
     pair = args.pair or default_pair(s.preset)
     batch = args.batch or (16 if s.is_cuda and s.preset != "smoke" else 2)
     from vlm.flops import flops_per_token
-    import vlm.modeling.moe as moe_mod
-    proposal = moe_mod._grouped_swiglu.__name__ == "_unbind_grouped_swiglu"
     results, rows = [], []
     base_cfg, con_cfg, pair_info = H.load_pair(pair, args.ratio, args.strategy, seq_len=max(s.sizes),
                                                boundary_mode=args.boundary_mode)
@@ -78,8 +64,6 @@ def run(argv=None) -> dict:
                             "model FLOP/s", "matmul peak", "MFU", "MFU (causal map)"], rows)
         sp = [r for r in results if "skipped" not in r]
         md = ("## Training throughput and MFU (AdamW, forward + backward + step)"
-              + (" WITH THE PROPOSED MoE DISPATCH (per-expert weights via unbind; benchmarks/moe.py)"
-                 if proposal else "")
               + f"\n\n{H.settings_line(s)}\n\n"
               f"- MoE: {pair_info['baseline']} ({pair_info['baseline_config']})\n- ConceptMoE: {pair_info['concept']} "
               f"({pair_info.get('concept_config', 'solved by the accountant')}); boundary_mode={args.boundary_mode}"
@@ -89,8 +73,7 @@ def run(argv=None) -> dict:
               "matmul peak measured in the same interleaved rounds; 'causal map' counts half the attention map\n"
               + "".join(f"- T={r['seq_len']}: ConceptMoE step speedup {H.fmt_pct(r['speedup']['median_of_ratios'])}\n"
                         for r in sp) + "\n" + table + "\n")
-        return {"pair": pair_info, "batch": batch, "proposal_unbind_dispatch": proposal,
-                "boundary_mode": args.boundary_mode, "results": results}, md
+        return {"pair": pair_info, "batch": batch, "boundary_mode": args.boundary_mode, "results": results}, md
 
     for T in s.sizes:
         ids = H.random_ids(batch, T, base_cfg.vocab_size, s.device, seed=s.seed + T)

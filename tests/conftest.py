@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import vlm  # noqa: E402  (registers the Auto classes)
+import vlm  # noqa: E402, F401  (registers the Auto classes)
 from vlm.config import ConceptMoEConfig  # noqa: E402
 from vlm.modeling.hf import ConceptMoEForCausalLM  # noqa: E402
 

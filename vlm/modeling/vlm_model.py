@@ -10,7 +10,7 @@ chunker apply the cross-modal policy and report per-modality ratios.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModel, PreTrainedModel
+from transformers import AutoModel
 
 from vision_encoders import build_projector, build_vision_encoder
 from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput, ConceptMoEPreTrainedModel
