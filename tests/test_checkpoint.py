@@ -49,7 +49,7 @@ def test_save_rename_pointer_and_keep_last(tmp_path):
     assert state["step"] == 4 and state["world_size"] == 1
     _trainer_state, rank_state = ckpt.load(eng, tmp_path / "step_000004", rank=0, world_size=1)
     assert eng.loaded == tmp_path / "step_000004" and rank_state["data"] == {"index": 4}
-    with pytest.raises(RuntimeError, match="same world size"):
+    with pytest.raises(ckpt.ResumeError, match="same world size"):
         ckpt.load(eng, tmp_path / "step_000004", rank=0, world_size=2)
 
 

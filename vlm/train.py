@@ -64,10 +64,11 @@ def main(argv=None) -> int:
         cfg = load_train_config(args.config, args.overrides)
         if args.no_eval:
             cfg.eval.vqa_json = None
+        from vlm.training.checkpoint import ResumeError
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
         trainer = Trainer(cfg, resume=args.resume)
-    except (ConfigError, FileNotFoundError, NotJSONError) as err:  # bad config / resume metadata
+    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:  # bad config / resume checkpoint
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     from vlm.training.checkpoint import CheckpointWriteError, find_checkpoint

@@ -215,6 +215,10 @@ def _step_of(path: Path) -> int:
 
 
 # --- save / load --------------------------------------------------------------------------------
+class ResumeError(RuntimeError):
+    """A checkpoint that cannot be resumed here (another world size, DeepSpeed found nothing)."""
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the previous one is intact."""
 
@@ -344,11 +348,11 @@ def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, di
     trainer_state = read_json(path / TRAINER_STATE)
     saved_world = int(trainer_state.get("world_size", 1))
     if saved_world != world_size:
-        raise RuntimeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
+        raise ResumeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
                            "exact resume (data order, RNG, ZeRO partitions) needs the same world size")
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        raise ResumeError(f"DeepSpeed could not load the checkpoint in {path}")
     rank_state = read_json(path / rank_file(rank))
     return trainer_state, rank_state
