@@ -58,13 +58,13 @@ def main(argv=None) -> int:
     _quiet_imports()
     from vlm.config import ConfigError
     from vlm.safe_loading import NotJSONError
+    from vlm.training.checkpoint import ResumeError
     from vlm.training.train_config import load_train_config
 
     try:
         cfg = load_train_config(args.config, args.overrides)
         if args.no_eval:
             cfg.eval.vqa_json = None
-        from vlm.training.checkpoint import ResumeError
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
         trainer = Trainer(cfg, resume=args.resume)
