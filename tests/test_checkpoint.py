@@ -85,6 +85,29 @@ def test_crash_between_rename_and_pointer(tmp_path):
     assert ckpt.resolve_resume("auto", tmp_path / "nothing_here") is None
 
 
+def test_disk_full_messages_name_what_is_on_disk(tmp_path, monkeypatch):
+    """ENOSPC before the rename: 'not written', the previous one named; on the pointer only: the
+    new checkpoint is complete and found by the scan, and the message says so."""
+    import errno
+
+    eng = FakeEngine()
+    _save(eng, tmp_path, 2)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_json", full)
+    with pytest.raises(ckpt.CheckpointWriteError, match="step_000004 was not written .*step_000002 .intact"):
+        _save(eng, tmp_path, 4)
+    assert not (tmp_path / "step_000004.tmp").exists() and ckpt.find_checkpoint(tmp_path).name == "step_000002"
+    monkeypatch.undo()
+    monkeypatch.setattr(ckpt, "atomic_write_text", full)
+    with pytest.raises(ckpt.CheckpointWriteError, match="step_000004 was written but the 'latest' pointer"):
+        _save(eng, tmp_path, 4)
+    assert (tmp_path / "latest").read_text().strip() == "step_000002"
+    assert ckpt.find_checkpoint(tmp_path).name == "step_000004"
+
+
 def test_rng_state_is_json_and_round_trips():
     random.seed(1)
     np.random.seed(2)

@@ -241,6 +241,10 @@ def _first_error(err: OSError | None, rank: int) -> str | None:
 
 def _write_error(ckpt_dir: Path, name: str, cause: str) -> CheckpointWriteError:
     prev = find_checkpoint(ckpt_dir)
+    if prev is not None and prev.name == name:  # renamed and complete; only `latest` failed
+        return CheckpointWriteError(
+            f"checkpoint {name} was written but the '{LATEST}' pointer could not be updated ({cause}); "
+            "--resume auto finds it by scanning. Free space or fix the disk, then resume with --resume auto")
     return CheckpointWriteError(
         f"checkpoint {name} was not written ({cause}); the newest complete checkpoint is "
         f"{prev if prev else 'none'} (intact). Free space or fix the disk, then resume with --resume auto")
