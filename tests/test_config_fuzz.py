@@ -435,6 +435,17 @@ def test_fuzz_train_config(key, data):
     assert msg.startswith("config error: model."), msg  # ... under the train config's model section
 
 
+def test_control_characters_in_a_key_stay_one_line():
+    """Found by the faults profile: a mapping with a newline key under a model field used to print
+    the newline raw (two lines). ConfigError escapes control characters."""
+    from vlm.training.data import build_model_config
+
+    cfg = _load_train("model.attention.head_dim", {"\n": 0})
+    msg = assert_one_line("attention.head_dim", build_model_config, cfg)
+    assert "\\n" in msg
+    assert_one_line("train.lr", _load_train, "train.lr", "1e-3\n\x00")
+
+
 def test_yaml_file_route(tmp_path):
     """The same one line when the bad value comes from a YAML file (one field of each config)."""
     raw = copy.deepcopy(TRAIN_RAW)

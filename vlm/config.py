@@ -24,7 +24,11 @@ from transformers import PretrainedConfig
 
 
 class ConfigError(ValueError):
-    """A bad config key or value; the message is one line naming the key."""
+    """A bad config key or value; the message is one line naming the key (control characters in a
+    user's key or value, e.g. a newline, are shown escaped so that it stays one line)."""
+
+    def __init__(self, message: str = ""):
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message)))
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
