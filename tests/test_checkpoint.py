@@ -4,36 +4,15 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from _ckpt import FakeEngine
+from _ckpt import save as _save
 from vlm.training import checkpoint as ckpt
 from vlm.training import testing
-
-
-class FakeEngine:
-    """Writes what DeepSpeed's save_checkpoint would, into save_dir/tag."""
-
-    def __init__(self):
-        self.loaded = None
-
-    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=True):
-        d = Path(save_dir) / tag
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "mp_rank_00_model_states.pt").write_bytes(b"weights")
-        assert not save_latest  # the pointer is ours, written atomically after the rename
-
-    def load_checkpoint(self, load_dir, tag, **kwargs):
-        self.loaded = Path(load_dir) / tag
-        return str(self.loaded), {}
-
-
-def _save(engine, d, step, keep=2):
-    return ckpt.save(engine, d, step, {"skipped_steps": 0}, {"rng": ckpt.rng_state(), "data": {"index": step}},
-                     keep_last=keep)
 
 
 def test_save_rename_pointer_and_keep_last(tmp_path):

@@ -24,7 +24,10 @@ import torch
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 from vlm.convert import main as convert_main
+from _ckpt import FakeEngine
+from _ckpt import save as save_checkpoint
 from vlm.safe_loading import NotJSONError, UnsafeCheckpoint, read_json, require_safetensors
+from vlm.training import checkpoint as ck
 
 
 class _Marker:
@@ -243,31 +246,13 @@ def test_lmms_plugin_refuses_a_pickle_only_path(tmp_path, marker):
 
 # ----- trainer metadata -----------------------------------------------------------------------------
 def _checkpoint(ckpt_dir):
-    from vlm.training import checkpoint as ck
-
-    step = ckpt_dir / ck.step_dir_name(1)
-    step.mkdir(parents=True)
-    ck.write_json(step / ck.rank_file(0), {"rank": 0, "step": 1, "rng": {}})
-    ck.write_json(step / ck.TRAINER_STATE, {"format_version": 1, "step": 1, "world_size": 1})
-    (ckpt_dir / ck.LATEST).write_text(step.name + "\n")
+    step = save_checkpoint(FakeEngine(), ckpt_dir, 1)  # DeepSpeed's engine files are out of scope: faked
     assert ck.find_checkpoint(ckpt_dir) == step
     return step
 
 
-class _StubEngine:
-    """DeepSpeed's engine files are out of scope: the stub loads nothing and records the call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def load_checkpoint(self, load_dir, tag, **kwargs):
-        self.calls.append((load_dir, tag))
-        return os.path.join(load_dir, tag), {}
-
-
 @pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
 def test_pickle_as_trainer_state_makes_the_checkpoint_incomplete(tmp_path, marker, protocol):
-    from vlm.training import checkpoint as ck
 
     step = _checkpoint(tmp_path / "ckpt")
     plant(step / ck.TRAINER_STATE, marker, protocol)
@@ -283,31 +268,28 @@ def test_pickle_as_trainer_state_makes_the_checkpoint_incomplete(tmp_path, marke
 
 @pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
 def test_pickle_as_rank_state_is_not_unpickled(tmp_path, marker, protocol):
-    from vlm.training import checkpoint as ck
 
     step = _checkpoint(tmp_path / "ckpt")
     plant(step / ck.rank_file(0), marker, protocol)
     plant(step / "extra_state.pt", marker)
     assert ck.find_checkpoint(tmp_path / "ckpt") == step  # rank files are only checked to exist
     with pytest.raises(NotJSONError):
-        ck.load(_StubEngine(), step, rank=0, world_size=1)
+        ck.load(FakeEngine(), step, rank=0, world_size=1)
     assert not marker.exists()
 
 
 def test_extra_pt_files_are_never_opened(tmp_path, marker):
-    from vlm.training import checkpoint as ck
 
     step = _checkpoint(tmp_path / "ckpt")
     for name in ("extra_state.pt", "rng.pth", "trainer_state.pt", "rank_00000.pkl"):
         plant(step / name, marker)
-    engine = _StubEngine()
+    engine = FakeEngine()
     trainer_state, rank_state = ck.load(engine, ck.find_checkpoint(tmp_path / "ckpt"), rank=0, world_size=1)
-    assert trainer_state["step"] == 1 and rank_state["rank"] == 0 and len(engine.calls) == 1
+    assert trainer_state["step"] == 1 and rank_state["rank"] == 0 and engine.loaded == step
     assert not marker.exists()
 
 
 def test_pickle_as_latest_pointer_falls_back_to_the_scan(tmp_path, marker):
-    from vlm.training import checkpoint as ck
 
     step = _checkpoint(tmp_path / "ckpt")
     plant(tmp_path / "ckpt" / ck.LATEST, marker)
@@ -318,12 +300,11 @@ def test_pickle_as_latest_pointer_falls_back_to_the_scan(tmp_path, marker):
 
 
 def test_pickle_as_rank_state_is_one_clear_line(tmp_path, marker):
-    from vlm.training import checkpoint as ck
 
     step = _checkpoint(tmp_path / "ckpt")
     plant(step / ck.rank_file(0), marker)
     with pytest.raises(ValueError) as info:
-        ck.load(_StubEngine(), step, rank=0, world_size=1)
+        ck.load(FakeEngine(), step, rank=0, world_size=1)
     assert ck.rank_file(0) in str(info.value) and "\n" not in str(info.value)
     assert not marker.exists()
 

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     _quiet_imports()
     from vlm.config import ConfigError
     from vlm.safe_loading import NotJSONError
-    from vlm.training.checkpoint import ResumeError
+    from vlm.training.checkpoint import CheckpointWriteError, ResumeError, find_checkpoint
     from vlm.training.train_config import load_train_config
 
     try:
@@ -71,7 +71,6 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:  # bad config / resume checkpoint
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    from vlm.training.checkpoint import CheckpointWriteError, find_checkpoint
     from vlm.training.distributed import collective_failure
 
     try:

@@ -178,7 +178,7 @@ def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
         name = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else ""
     except (OSError, UnicodeDecodeError):
         name = ""
-    if name and "/" not in name and name not in (".", ".."):
+    if STEP_RE.match(name):  # a step folder name, nothing else (no paths)
         target = ckpt_dir / name
         if is_complete(target):
             # a crash between the rename and the pointer update leaves a newer complete one
