@@ -1,12 +1,12 @@
 """Config fuzz (hypothesis): every field of the model config (vlm/config.py), the VLM config
-(vlm/vlm_config.py) and the training config (vlm/training/train_config.py) given random INVALID
+(vlm/config/vlm.py) and the training config (vlm/config/train.py) given random INVALID
 values - wrong types, out of range (negative, zero where positive is required, NaN / +-inf /
 too-large-for-a-float numbers), unknown enum strings, wrong-length or wrong-content lists - fails
 with a ``ConfigError`` whose message is ONE line that names the field by its dotted path
 (``moe.top_k``, ``vision.backbone``, ``train.lr``, ``data.datasets[0].type``, ``model.moe.top_k``).
 
 Each field has a rule (a strategy of invalid values for it, given the base config); a coverage test
-enumerates the fields with ``dataclasses.fields`` and fails when a field has no rule.
+enumerates the fields of the config sections and fails when a field has no rule.
 
 Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults``: 8x, random):
 
@@ -40,9 +40,12 @@ from _fuzz import FUZZ, examples, report
 from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
 from vision_encoders.base import FEATURE_LAYERS
 from vision_encoders.projector import PROJECTOR_KINDS, PROJECTOR_MERGES
-from vlm.config import FIELD_OWNER, AttentionConfig, ChunkingConfig, ConceptMoEConfig, ConfigError, MoEConfig
-from vlm.training.train_config import PARTS, STAGES, ZERO_PRESETS, TrainConfig, load_train_config, read_yaml
-from vlm.vlm_config import _TOKEN_FIELDS, ConceptMoEVLMConfig
+from vlm.config import AttentionConfig, ChunkingConfig, ConceptMoEConfig, ConfigError, MoEConfig, read_yaml
+from vlm.config.core import Section
+from vlm.config.model import field_key
+from vlm.config.train import PARTS, STAGES, ZERO_PRESETS, TrainConfig, load_train_config
+from vlm.config.vlm import TOKEN_FIELDS as _TOKEN_FIELDS
+from vlm.config.vlm import ConceptMoEVLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_YAML, VLM_YAML, TRAIN_YAML = (ROOT / "configs/model/tiny_concept.yaml", ROOT / "configs/model/vlm_tiny.yaml",
@@ -126,14 +129,8 @@ NOT_MAPPING = st.one_of(INTS, st.text(max_size=8), FLOATS, BOOLS, LISTS)
 
 
 # ----- model config ---------------------------------------------------------------------------------
-def _model_key(name: str) -> str:
-    if name == "chunking":
-        return "chunking.enabled"
-    return f"{FIELD_OWNER[name]}.{name}" if name in FIELD_OWNER else name
-
-
 def model_field_keys() -> set[str]:
-    return {_model_key(name) for name in ConceptMoEConfig.known_keys()}
+    return {field_key(name) for name in ConceptMoEConfig.known_keys()}
 
 
 def _bad_loop_layers():
@@ -201,8 +198,7 @@ MODEL_RULES = {
 def test_model_rules_cover_every_field():
     """A new field of AttentionConfig / MoEConfig / ChunkingConfig or a new top-level key fails here
     until it gets a rule of invalid values."""
-    fields_ = {_model_key(f.name) for cls in (AttentionConfig, MoEConfig, ChunkingConfig)
-               for f in dataclasses.fields(cls)}
+    fields_ = {field_key(name) for cls in (AttentionConfig, MoEConfig, ChunkingConfig) for name in cls.model_fields}
     assert fields_ <= model_field_keys()
     assert model_field_keys() == set(MODEL_RULES), sorted(model_field_keys() ^ set(MODEL_RULES))
 
@@ -401,16 +397,17 @@ TRAIN_RULES = {
 def train_field_paths(cls=TrainConfig, prefix: str = "") -> set[str]:
     """Every field of TrainConfig and its sections, dotted (a section is a field too)."""
     paths = set()
-    for f in dataclasses.fields(cls):
-        paths.add(prefix + f.name)
-        if "section" in f.metadata:
-            paths |= train_field_paths(f.metadata["section"], f"{prefix}{f.name}.")
+    for name, f in cls.model_fields.items():
+        paths.add(prefix + name)
+        if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+            paths |= train_field_paths(f.annotation, f"{prefix}{name}.")
     return paths
 
 
 def test_train_rules_cover_every_field():
-    """A new field of TrainConfig or of one of its sections fails here until it gets a rule."""
-    paths = train_field_paths()
+    """A new field of TrainConfig or of one of its sections fails here until it gets a rule
+    (``source`` is set by the loader, never by a user: it has a rule that it is refused)."""
+    paths = train_field_paths() | {"source"}
     assert paths == set(TRAIN_RULES), sorted(paths ^ set(TRAIN_RULES))
 
 
