@@ -21,7 +21,7 @@ needs_data = pytest.mark.skipif(not (DATA / "tokenizer").is_dir(), reason="defau
 
 @needs_data
 def test_smoke_all_arms_report(tmp_path, monkeypatch, capsys):
-    from vlm.compare import main
+    from vlm.compare.cli import main
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "cmp"
@@ -70,15 +70,16 @@ def test_smoke_all_arms_report(tmp_path, monkeypatch, capsys):
 @needs_data
 @pytest.mark.parametrize("name", ["smoke", "cpu", "gpu"])
 def test_committed_presets_fresh_and_matched(name, tmp_path):
-    """configs/model/cmp_<name>_*.yaml equal a fresh solve (mode 'check' writes nothing) and every
+    """configs/model/compare/cmp_<name>_*.yaml equal a fresh solve (mode 'check' writes nothing) and every
     arm is within 3% activated FLOPs / 1% params of arm a at the preset's training length."""
-    from vlm.compare import _seq_len, build_presets, load_compare, train_raw
-    from vlm.compare_report import flops_rows
+    from vlm.compare.config import load_compare, train_raw
+    from vlm.compare.presets import build_presets, seq_len_of
+    from vlm.compare.report import flops_rows
 
     cfg = load_compare(ROOT / "configs" / "compare" / f"{name}.yaml")
     raw = train_raw(cfg)
     presets = build_presets(cfg, raw, mode="check")
-    rows = flops_rows(cfg, presets, _seq_len(cfg, raw), {})
+    rows = flops_rows(cfg, presets, seq_len_of(cfg, raw), {})
     assert [r["arm"] for r in rows] == ["a", "b", "c", "d"]
     for r in rows:
         assert r["match_ok"], (name, r["arm"], r["params_rel"], r["flops_rel"])
@@ -86,17 +87,18 @@ def test_committed_presets_fresh_and_matched(name, tmp_path):
 
 
 def test_config_errors_are_one_line(tmp_path):
-    from vlm.compare import CompareError, load_compare
+    from vlm.compare.config import load_compare
+    from vlm.config import ConfigError
 
     src = (ROOT / "configs" / "compare" / "smoke.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(src + "\nbogus: 1\n")
-    with pytest.raises(CompareError, match="bogus: unknown key"):
+    with pytest.raises(ConfigError, match="bogus: unknown config key"):
         load_compare(bad)
-    with pytest.raises(CompareError, match=r"arms\[1\]\.solve"):
+    with pytest.raises(ConfigError, match=r"arms\[1\]\.solve"):
         load_compare(ROOT / "configs" / "compare" / "smoke.yaml",
                      ["arms=[{id: a, name: m}, {id: b, name: x, solve: nope}]"])
-    with pytest.raises(CompareError, match="train.model.num_experts"):
+    with pytest.raises(ConfigError, match="train.model.num_experts"):
         load_compare(ROOT / "configs" / "compare" / "smoke.yaml", ["train.model.num_experts=4"])
-    with pytest.raises(CompareError, match="first arm must be the plain-MoE baseline"):
+    with pytest.raises(ConfigError, match="first arm must be the plain-MoE baseline"):
         load_compare(ROOT / "configs" / "compare" / "smoke.yaml", ["arms=[{id: b, name: x, solve: topk}]"])

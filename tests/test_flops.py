@@ -1,4 +1,4 @@
-"""The FLOPs / params / KV accountant (vlm/flops.py) and the matching solver (vlm/flop_matching.py).
+"""The FLOPs / params / KV accountant (vlm/flops/accountant.py) and the matching solver (vlm/flops/matching.py).
 
 Ground truth: ``sum(p.numel())`` of the real model (meta device) for parameters, FlopCounterMode
 on a real CPU forward pass (batch 1, no padding, eval mode, the measured number of concepts) for
@@ -17,8 +17,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from vlm.config import ConceptMoEConfig
-from vlm.flop_matching import config_to_sections, solve_match, write_yaml
-from vlm.flops import Arch, compare_table, count_params, flops_per_token, kv_bytes_per_token, main
+from vlm.flops.matching import config_to_sections, solve_match, write_yaml
+from vlm.flops import Arch, compare_table, count_params, flops_per_token, kv_bytes_per_token
+from vlm.flops.__main__ import main
 from vlm.modeling.hf import ConceptMoEForCausalLM
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "model"

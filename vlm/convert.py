@@ -8,7 +8,7 @@ What it does (the paper's conversion path, section 7):
   layers with unchanged parameter names, so nothing is re-initialised;
 - adds the chunk router with RANDOM init, uses ``concept_merge: last`` (keeps the initial loss
   close to the baseline's), zero-initialises the joint-decoding projections;
-- gives the saved compute back as the FLOP matcher solves (``vlm/flop_matching.py``), here with the
+- gives the saved compute back as the FLOP matcher solves (``vlm/flops/matching.py``), here with the
   experts kept as they are (no expert is dropped, so every weight has a home): ``topk`` raises the
   concept layers' top-k, ``loop`` also re-runs middle concept layers with their own weights.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from vlm.config import ConceptMoEConfig
-from vlm.flop_matching import solve_match
+from vlm.flops.matching import solve_match
 from vlm.modeling.hf import ConceptMoEForCausalLM
 from vlm.safe_loading import require_safetensors
 

@@ -23,17 +23,13 @@ Conventions (read these before quoting a number):
 - The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the blocked EMA scan of
   ``dechunk.ema_scan`` (a [Q, Q] x [Q, d] matmul per block of Q = min(64, M) concepts).
 
-API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``,
-``solve_match`` (in ``vlm/flop_matching.py``), CLI ``python -m vlm.flops --help``.
+API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``; the matching
+solver is ``vlm.flops.matching``; CLI ``python -m vlm.flops --help``.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
-
 from vlm.config import ConceptMoEConfig
 
 SCAN_BLOCK = 64  # vlm.modeling.dechunk.ema_scan's default block
@@ -294,63 +290,3 @@ def single_table(cfg, seq_len: int = 4096, ratio: float | None = None, dtype_byt
     lines += [f"| {k if a.chunking or k == 'total' else 'token layers'} | {v:.1f} |" for k, v in kv.items()
               if v or k == "total"]
     return "\n".join(lines)
-
-
-# solver entry point (implementation in vlm/flop_matching.py) ----------------------------------
-def solve_match(baseline_cfg, strategy: str, ratio: float = 2.0, **opts) -> ConceptMoEConfig:
-    """Solve a ConceptMoE config matching a plain-MoE baseline; see ``vlm.flop_matching``."""
-    from vlm.flop_matching import solve_match as _solve
-    return _solve(baseline_cfg, strategy, ratio, **opts)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vlm.flops", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="model YAML (configs/model/*.yaml)")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--ratio", type=float, default=None,
-                    help="R = tokens/concepts (measured); default the config's target_ratio. With --solve: "
-                         "the target ratio (default 2)")
-    ap.add_argument("--dtype-bytes", type=int, default=2)
-    ap.add_argument("--match-to", default=None, help="second model YAML: print both side by side")
-    ap.add_argument("--solve", choices=("topk", "loop", "wide"), default=None,
-                    help="solve a ConceptMoE matching --config (a plain MoE) by the paper's strategy 1/2/3")
-    ap.add_argument("--out", default=None, help="with --solve: write the solved config here")
-    ap.add_argument("--encoder-layers", type=int, default=None)
-    ap.add_argument("--decoder-layers", type=int, default=None)
-    ap.add_argument("--joint-decoding-layers", type=int, default=None)
-    ap.add_argument("--loop-layers", type=int, default=None, help="loop: how many concept layers loop")
-    ap.add_argument("--loop-times", type=int, default=None)
-    ap.add_argument("--concept-merge", default=None)
-    ap.add_argument("--header", default=None, help="with --out: first comment line of the YAML")
-    args = ap.parse_args(argv)
-    cfg = ConceptMoEConfig.from_yaml(args.config)
-    if args.solve:
-        from vlm.flop_matching import solve_report, write_yaml
-        opts = {k: v for k, v in (("encoder_layers", args.encoder_layers), ("decoder_layers", args.decoder_layers),
-                                  ("joint_decoding_layers", args.joint_decoding_layers),
-                                  ("loop_layers", args.loop_layers), ("loop_times", args.loop_times),
-                                  ("concept_merge", args.concept_merge)) if v is not None}
-        ratio = args.ratio or 2.0
-        new = solve_match(cfg, args.solve, ratio, seq_len=args.seq_len, **opts)
-        argv_list = list(sys.argv[1:] if argv is None else argv)
-        skip = {"--header"}
-        shown = [x for i, x in enumerate(argv_list) if x not in skip and (i == 0 or argv_list[i - 1] not in skip)]
-        report = solve_report(cfg, new, args.solve, args.seq_len, ratio, baseline_path=args.config,
-                              command="python -m vlm.flops " + " ".join(shown))
-        print(compare_table(cfg, new, args.seq_len, ratio, args.dtype_bytes, names=("baseline", args.solve)))
-        print(report)
-        if args.out:
-            write_yaml(new, args.out, header=args.header, notes=report)
-            print(f"wrote {args.out}")
-        return 0
-    if args.match_to:
-        other = ConceptMoEConfig.from_yaml(args.match_to)
-        print(compare_table(cfg, other, args.seq_len, args.ratio, args.dtype_bytes,
-                            names=(Path(args.config).stem, Path(args.match_to).stem)))
-        return 0
-    print(single_table(cfg, args.seq_len, args.ratio, args.dtype_bytes))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

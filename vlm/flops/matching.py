@@ -48,7 +48,7 @@ from pathlib import Path
 import yaml
 
 from vlm.config import ConceptMoEConfig
-from vlm.flops import Arch, count_params, flops_per_token
+from vlm.flops.accountant import Arch, count_params, flops_per_token
 
 TIGHT = (0.005, 0.015)  # params, FLOPs: preferred
 HARD = (0.01, 0.03)  # required by the project
@@ -259,12 +259,12 @@ def write_yaml(cfg, path, header: str | None = None, notes: str = "") -> None:
     text = "".join(f"# {line}\n" for line in comment)
     for key, val in sections.items():
         if isinstance(val, dict):
-            text += f"{key}:\n" + "".join(f"  {k}: {_dump(v)}\n" for k, v in val.items())
+            text += f"{key}:\n" + "".join(f"  {k}: {flow_yaml(v)}\n" for k, v in val.items())
         else:
-            text += f"{key}: {_dump(val)}\n"
+            text += f"{key}: {flow_yaml(val)}\n"
     Path(path).write_text(text)
     ConceptMoEConfig.from_yaml(path)  # refuse to leave an unloadable file behind unnoticed
 
 
-def _dump(v) -> str:
+def flow_yaml(v) -> str:
     return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()

@@ -18,6 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
+from vlm.compare.config import rel
+from vlm.config.vlm import ConceptMoEVLMConfig
+from vlm.flops import count_params, describe, flops_per_token
+
 FLOP_TOL, PARAM_TOL = 0.03, 0.01
 
 # (key, header, getter, format, lower_is_better)
@@ -49,21 +53,17 @@ def _real(x) -> bool:
 
 
 def arm_text_config(preset_path: Path):
-    from vlm.vlm_config import ConceptMoEVLMConfig
-
     return ConceptMoEVLMConfig.from_yaml(preset_path).text_config
 
 
 def flops_rows(cfg: dict, presets: dict, seq_len: int, by_arm: dict) -> list[dict]:
-    from vlm.flops import count_params, describe, flops_per_token
-
     rows = []
     for arm in cfg["arms"]:
         tc = arm_text_config(presets[arm["id"]]["vlm_path"])
         p, f = count_params(tc), flops_per_token(tc, seq_len)
         row = {"arm": arm["id"], "name": arm["name"], "label": arm["label"], "describe": describe(tc),
                "boundary_mode": tc.boundary_mode if tc.chunking else None,
-               "vlm_preset": _rel(presets[arm["id"]]["vlm_path"]), "lm_preset": _rel(presets[arm["id"]]["lm_path"]),
+               "vlm_preset": rel(presets[arm["id"]]["vlm_path"]), "lm_preset": rel(presets[arm["id"]]["lm_path"]),
                "total_params": p["total"], "activated_params": p["activated"],
                "activated_flops": f["total_no_attn_map"], "attn_map_flops": f["attn_map"], "seq_len": seq_len,
                "solver": presets[arm["id"]]["solver_info"]}
@@ -91,12 +91,6 @@ def flops_rows(cfg: dict, presets: dict, seq_len: int, by_arm: dict) -> list[dic
         if "activated_flops_achieved" in row and "activated_flops_achieved" in base:
             row["flops_achieved_rel"] = row["activated_flops_achieved"] / base["activated_flops_achieved"] - 1
     return rows
-
-
-def _rel(p) -> str:
-    from vlm.compare import _rel as rel
-
-    return rel(Path(p))
 
 
 def flops_table(rows: list[dict]) -> str:

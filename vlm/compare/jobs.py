@@ -12,17 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from vlm.compare_config import REPO_ROOT, _path, _rel
+from vlm.compare.config import REPO_ROOT, rel, repo_path
+from vlm.config.core import deep_merge
 
 
 # --- jobs --------------------------------------------------------------------------------------
 def out_dir(cfg: dict, override: str | None = None) -> Path:
-    return Path(override) if override else _path(cfg["output_dir"]) / cfg["name"]
+    return Path(override) if override else repo_path(cfg["output_dir"]) / cfg["name"]
 
 
 def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) -> list[dict]:
-    from vlm.training.train_config import deep_merge
-
     jobs = []
     for seed in seeds:
         for arm in cfg["arms"]:
@@ -31,7 +30,7 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
             train = deep_merge(raw, {"name": name, "output_dir": str(out / "runs"), "seed": int(seed),
                                      "model": {"kind": "vlm", "preset": str(p["vlm_path"])}})
             train.pop("base", None)
-            if cfg["threads"] and _train_has("cpu_threads"):
+            if cfg["threads"]:
                 train["cpu_threads"] = int(cfg["threads"])  # the trainer's own knob (process-wide)
             key_src = json.dumps({"train": train, "eval": cfg["eval"], "vlm": p["text"],
                                   "lm": p["lm_path"].read_text()}, sort_keys=True, default=str)
@@ -40,14 +39,6 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
                          "eval": cfg["eval"], "threads": cfg["threads"], "run_dir": str(out / "runs" / name),
                          "key": hashlib.sha1(key_src.encode()).hexdigest()[:16]})
     return jobs
-
-
-def _train_has(key: str) -> bool:
-    import dataclasses
-
-    from vlm.training.train_config import TrainConfig
-
-    return key in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 class _FingerprintLoader:
@@ -98,7 +89,7 @@ def _run_job(job: dict) -> dict:
     import torch
 
     from eval_suites.text_eval import evaluate_text
-    from vlm.training.train_config import load_train_config
+    from vlm.config.train import load_train_config
     from vlm.training.trainer import Trainer
 
     t0 = time.time()
@@ -125,8 +116,8 @@ def _run_job(job: dict) -> dict:
         torch.cuda.empty_cache()
     text = None
     if e.get("text") and (hf / "config.json").is_file():
-        text = evaluate_text(str(hf), str(_path(e["text"])), seq_len, int(e["text_batch_size"]),
-                             int(e["text_max_tokens"]), tcfg.model.tokenizer and str(_path(tcfg.model.tokenizer)),
+        text = evaluate_text(str(hf), str(repo_path(e["text"])), seq_len, int(e["text_batch_size"]),
+                             int(e["text_max_tokens"]), tcfg.model.tokenizer and str(repo_path(tcfg.model.tokenizer)),
                              e["dtype"], device)
     if not e.get("keep_hf", True) and hf.is_dir():
         import shutil
@@ -199,7 +190,7 @@ def run_jobs(jobs: list[dict], n_parallel: int, fresh: bool = False, isolate: bo
             proc = subprocess.Popen([sys.executable, "-m", "vlm.compare", "--worker", str(spec)], cwd=REPO_ROOT,
                                     env=env, stdout=log, stderr=subprocess.STDOUT)
             print(f"[compare] started arm {job['arm']} ({job['arm_name']}) seed {job['seed']} (pid {proc.pid}, "
-                  f"log {_rel(run_dir / 'compare_log.txt')})", flush=True)
+                  f"log {rel(run_dir / 'compare_log.txt')})", flush=True)
             running.append((i, proc, log, time.time()))
         time.sleep(2)
         for item in list(running):

@@ -1,0 +1,5 @@
+import sys
+
+from vlm.compare.cli import main
+
+sys.exit(main())

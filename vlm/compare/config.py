@@ -1,0 +1,133 @@
+"""The compare YAML (``configs/compare/*.yaml``): typed sections on the project's config mechanism,
+and the training YAML shared by every arm."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from vlm.config.core import (
+    ConfigError,
+    NonNegInt,
+    Num,
+    PosInt,
+    Section,
+    Text,
+    apply_overrides,
+    build,
+    check,
+    deep_merge,
+    load_yaml,
+    read_yaml,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRESET_DIR = REPO_ROOT / "configs" / "model" / "compare"  # generated presets, one folder
+STRATEGIES = ("topk", "loop", "wide")
+
+
+class CompareError(ConfigError):
+    """A compare run that cannot go on (e.g. a stale generated preset); one line."""
+
+
+def repo_path(p) -> Path:
+    p = Path(p)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def rel(p) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(p)
+
+
+class ArmSpec(Section):
+    id: Text
+    name: Text
+    label: str | None = None  # default: the name
+    solve: Literal[STRATEGIES] | None = None  # null = the baseline (arm a)
+    solve_opts: dict = {}
+    same_as: str | None = None  # an earlier arm whose language model this arm reuses
+    text: dict = {}  # VLM text overrides, e.g. {chunking: {boundary_mode: fixed}}
+
+
+class MatchSpec(Section):
+    """``vlm.flops.matching.solve_match`` options; seq_len: the training row length."""
+    ratio: Num(ge=1) = 2.0
+    seq_len: PosInt | None = None
+    encoder_layers: PosInt | None = None
+    decoder_layers: PosInt | None = None
+    joint_decoding_layers: NonNegInt = 4
+    concept_merge: Literal["last", "sum"] | None = None
+    overrides: dict = {}
+
+
+class VLMSpec(Section):
+    """Shared by every arm."""
+    vision: dict | None = None
+    projector: dict | None = None
+    text: dict | None = None
+
+
+class BaselineSpec(Section):
+    """Arm a's language model: a preset and/or model-config sections (``lm``)."""
+    preset: Text | None = None
+    lm: dict = {}
+
+
+class EvalSpec(Section):
+    text: Text = "data/default/shakespeare_val.txt"
+    text_max_tokens: PosInt = 8192
+    text_seq_len: PosInt | None = None
+    text_batch_size: PosInt = 16
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    keep_hf: bool = True
+
+
+class CompareConfig(Section):
+    name: Text | None = None  # default: the YAML's stem
+    output_dir: Text = "runs/compare"
+    seed: NonNegInt = 0
+    seeds: PosInt = 1
+    jobs: PosInt = 1
+    threads: PosInt | None = None
+    isolate: bool = False
+    preset_prefix: Text | None = None  # default cmp_<name>
+    train_base: Text = "configs/train/default.yaml"
+    train: dict = {}  # train-YAML keys; model.* is owned by the arms
+    vlm: VLMSpec = VLMSpec()
+    baseline: BaselineSpec = BaselineSpec()
+    match: MatchSpec = MatchSpec()
+    arms: Annotated[list[ArmSpec], Field(min_length=1)]
+    eval: EvalSpec = EvalSpec()
+
+
+def load_compare(path, overrides=()) -> dict:
+    """The compare YAML + dotted overrides, validated, as a plain dict (``source``: its path)."""
+    path = repo_path(path)
+    cfg = build(CompareConfig, apply_overrides(load_yaml(path), list(overrides)))
+    for key in ((cfg.train or {}).get("model") or {}):
+        check(key in ("kind", "tokenizer"), f"train.model.{key}",
+              "the arms define the model; only model.tokenizer may be set here")
+    ids: set[str] = set()
+    for i, arm in enumerate(cfg.arms):
+        check(arm.same_as is None or (arm.same_as in ids and not arm.solve), f"arms[{i}].same_as",
+              "must name an EARLIER arm (and the arm must not also solve)")
+        ids.add(arm.id)
+    check(not (cfg.arms[0].solve or cfg.arms[0].same_as), "arms",
+          "the first arm must be the plain-MoE baseline (no solve, no same_as)")
+    check(len({a.name for a in cfg.arms}) == len(cfg.arms), "arms", "arm names must be unique")
+    out = cfg.model_dump()
+    out["name"] = out["name"] or path.stem
+    out["preset_prefix"] = out["preset_prefix"] or f"cmp_{out['name']}"
+    for arm in out["arms"]:
+        arm["label"] = arm["label"] or arm["name"]
+    out["source"] = rel(path)
+    return out
+
+
+def train_raw(cfg: dict) -> dict:
+    """The training YAML shared by every arm (``train_base`` deep-merged with ``train``)."""
+    return deep_merge(read_yaml(repo_path(cfg["train_base"])), cfg["train"] or {})
