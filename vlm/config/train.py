@@ -12,19 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
 from data_pipelines.common import DATASET_TYPES
-from vlm.config.core import (
-    NonNegInt,
-    Num,
-    PosInt,
-    Section,
-    Text,
-    apply_overrides,
-    build,
-    check,
-    flatten,
-    read_yaml,
-    unflatten,
-)
+from vlm.config.core import NonNegInt, Num, PosInt, Section, Text, apply_overrides, build, check
+from vlm.config.core import deep_merge, flatten, read_yaml, unflatten
 
 PARTS = ("vision", "projector", "chunker", "lm")
 STAGES = ("align", "finetune", "full")
@@ -212,8 +201,6 @@ class TrainConfig(Section):
 def load_train_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
                       raw: dict | None = None) -> TrainConfig:
     """YAML file and/or a raw dict, then overrides (``["train.lr=1e-3", ...]`` or a dict) -> TrainConfig."""
-    from vlm.config.core import deep_merge
-
     data = deep_merge(read_yaml(path), raw or {}) if path is not None else dict(raw or {})
     cfg = build(TrainConfig, apply_overrides(data, overrides))
     cfg.check_across()
