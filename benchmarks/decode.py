@@ -1,37 +1,22 @@
 """Decode: per-token latency at long KV lengths, ConceptMoE vs matched MoE, plus KV-cache bytes.
 
-For each batch size and KV length N, both models hold a KV cache of N tokens (the ConceptMoE's
-concept layers hold N / R concepts) and then generate; one measurement is ``--steps`` consecutive
-decode steps (a multiple of round(R), so that concept-model steps, which only run when a concept
-completes, are counted at their true rate), and the per-token latency is its time / steps.
-Both models are timed in the same run, interleaved. ConceptMoE uses ``boundary_mode="fixed"``
-(a boundary every round(R) tokens; with a learned router at ratio R the compute is the same; with
-fixed boundaries every row of a batch completes its concepts on the same step, the best case for
-batching).
-
-How the caches get to length N (``--fill``):
-- ``prefill`` (default on CUDA): a real prefill of N random tokens (``model.prefill``).
-- ``synthetic`` (default on CPU, where a 16K x batch-8 prefill alone would take minutes): the
-  preallocated caches are filled with random keys/values up to N (token layers) and
-  ceil(N / round(R)) (concept layers), exactly the entry counts a fixed-boundary prefill leaves,
-  and the decode state (position, router key, EMA) is set as ``after_prefill`` sets it. The cost of
-  a decode step depends on the cache lengths, not on the cached values.
-
-KV-cache bytes are always measured after a REAL prefill (``KVCache.nbytes()``: the valid entries
-actually held), per layer group (encoder / concept / decoder; the plain MoE's layers are all
-"encoder" layers in the accountant's terms), next to ``vlm.flops.kv_bytes_per_token`` x N. The
-bytes of the preallocated buffers (capacity slots) are reported too.
+Both models hold a KV cache of N tokens (the ConceptMoE's concept layers N / R concepts) and are
+timed over the same consecutive decode steps, interleaved; KV bytes come from real caches.
 
     python -m benchmarks.decode [--device cuda --dtype bfloat16] [--sizes 1K,8K] [--batches 1,8] [--smoke]
 """
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
-from benchmarks import harness as H
+from benchmarks.cli import base_parser, logger, setup
+from benchmarks.harness import free_memory, interleaved
+from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
+from benchmarks.report import (
+    finish, fmt_median_iqr, fmt_num, fmt_pct, fmt_time, md_table, oom_reason, settings_line, write_results,
+)
 
 NAME = "decode"
 PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
@@ -41,7 +26,13 @@ BYTES_LEN = {"smoke": 128, "cpu": 2048}  # real-prefill length for the KV-bytes 
 
 
 def synthetic_fill(model, state, batch: int, N: int, seed: int = 0) -> None:
-    """Give ``state`` the cache lengths and decode fields a fixed-boundary prefill of N tokens leaves."""
+    """Give ``state`` the cache lengths and decode fields a fixed-boundary prefill of N tokens leaves.
+
+    Random keys/values up to N (token layers) and ceil(N / round(R)) (concept layers), and the decode
+    state (position, router key, EMA) as ``after_prefill`` sets it: the cost of a decode step depends
+    on the cache lengths, not on the cached values. ``--fill synthetic`` (the CPU default) uses it
+    where a 16K x batch-8 prefill alone would take minutes.
+    """
     cfg = model.config
     g = torch.Generator(device="cpu").manual_seed(seed)
     p = next(model.parameters())
@@ -90,7 +81,7 @@ def cache_bytes(model, state) -> dict:
 def measure_kv_bytes(base, con, base_cfg, con_cfg, N: int, device, dtype) -> dict:
     """Real prefill of N tokens (batch 1) into fresh caches; bytes per group vs the accountant."""
     from vlm.flops import kv_bytes_per_token
-    ids = H.random_ids(1, N, base_cfg.vocab_size, device, seed=N)
+    ids = random_ids(1, N, base_cfg.vocab_size, device, seed=N)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     res = {"seq_len": N, "batch": 1, "dtype_bytes": dtype_bytes}
     with torch.inference_mode():
@@ -136,28 +127,29 @@ def predicted(base_cfg, con_cfg, N: int, dtype_bytes: int) -> dict:
 
 
 def run(argv=None) -> dict:
-    ap = H.base_parser(NAME, __doc__.split("\n")[0], "KV lengths, e.g. 1K,4K,16K")
-    H.add_pair_args(ap)
+    ap = base_parser(NAME, __doc__.split("\n")[0], "KV lengths, e.g. 1K,4K,16K")
+    add_pair_args(ap)
     ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8; smoke 1,2)")
     ap.add_argument("--steps", type=int, default=None,
                     help="decode steps per measurement (a multiple of round(R); default 8 CPU, 16 CUDA)")
-    ap.add_argument("--fill", choices=("auto", "prefill", "synthetic"), default="auto")
+    ap.add_argument("--fill", choices=("auto", "prefill", "synthetic"), default="auto",
+                    help="how the caches reach length N: a real prefill, or synthetic_fill (auto: prefill on CUDA)")
     args = ap.parse_args(argv)
-    s = H.setup(NAME, args, PRESETS, REPS)
-    log = H.logger(s)
+    s = setup(NAME, args, PRESETS, REPS)
+    log = logger(s)
     pair = args.pair or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
-    base_cfg, con_cfg, pair_info = H.load_pair(pair, args.ratio, args.strategy, seq_len=8192)
+    base_cfg, con_cfg, pair_info = load_pair(pair, args.ratio, args.strategy, seq_len=8192)
     every = max(1, int(round(con_cfg.target_ratio)))
     steps = args.steps or (16 if s.is_cuda else (2 if s.smoke else 8))
-    steps = max(every, steps // every * every)
+    steps = max(every, steps // every * every)  # concept layers run once per `every` steps: count them at that rate
     batches = [int(b) for b in (args.batches or ("1,2" if s.preset == "smoke" else "1,8")).split(",")]
     fill_mode = args.fill if args.fill != "auto" else ("prefill" if s.is_cuda else "synthetic")
     dtype_bytes = torch.empty((), dtype=s.dtype).element_size()
     log(f"baseline: {pair_info['baseline']}")
     log(f"concept:  {pair_info['concept']}")
     log(f"fill={fill_mode}, {steps} steps per measurement, batches {batches}")
-    base = H.build_model(base_cfg, s.device, s.dtype, seed=s.seed)
-    con = H.build_model(con_cfg, s.device, s.dtype, seed=s.seed)
+    base = build_model(base_cfg, s.device, s.dtype, seed=s.seed)
+    con = build_model(con_cfg, s.device, s.dtype, seed=s.seed)
     models = {"moe": base, "concept": con}
 
     # KV-cache bytes from real caches ------------------------------------------------------------
@@ -167,14 +159,14 @@ def run(argv=None) -> dict:
         try:
             kv.append(measure_kv_bytes(base, con, base_cfg, con_cfg, N, s.device, s.dtype))
         except (torch.OutOfMemoryError, MemoryError) as err:
-            kv.append({"seq_len": N, "skipped": f"out of memory: {str(err).splitlines()[0][:200]}"})
-        H.free_memory(s.device)
+            kv.append({"seq_len": N, "skipped": oom_reason(err)})
+        free_memory(s.device)
     log(f"KV bytes measured at {bytes_lens}")
 
     results, rows = [], []
 
     def report():
-        lat_table = H.md_table(["batch", "KV length", "MoE per step", "ConceptMoE per step", "speedup",
+        lat_table = md_table(["batch", "KV length", "MoE per step", "ConceptMoE per step", "speedup",
                                 "predicted (FLOPs)", "predicted (bytes, B=1)", "tokens/s MoE / ConceptMoE"], rows)
         kv_rows = []
         for r in kv:
@@ -187,21 +179,21 @@ def run(argv=None) -> dict:
                 cells = []
                 for g in ("encoder", "concept", "decoder"):
                     if m[g]["layers"]:
-                        cells.append(f"{H.fmt_num(m[g]['bytes'], 'B')} ({m[g]['layers']} L x "
-                                     f"{m[g]['entries_per_layer'][0]:,}) / {H.fmt_num(f[g], 'B')}")
+                        cells.append(f"{fmt_num(m[g]['bytes'], 'B')} ({m[g]['layers']} L x "
+                                     f"{m[g]['entries_per_layer'][0]:,}) / {fmt_num(f[g], 'B')}")
                     else:
                         cells.append("-")
                 kv_rows.append([f"{r['seq_len']:,}", tag, *cells,
-                                f"{H.fmt_num(m['total_bytes'], 'B')} / {H.fmt_num(f['total'], 'B')}",
-                                H.fmt_num(m["total_allocated_bytes"], "B")])
+                                f"{fmt_num(m['total_bytes'], 'B')} / {fmt_num(f['total'], 'B')}",
+                                fmt_num(m["total_allocated_bytes"], "B")])
             kv_rows.append([f"{r['seq_len']:,}", "ratio", "", f"concept layer / MoE layer = "
                             f"{r['concept_layer_over_baseline_layer']:.4f} (1/R = {r['target_1_over_R']:.4f}, "
-                            f"{H.fmt_pct(r['concept_layer_rel_error_vs_1_over_R'], 2)})", "",
+                            f"{fmt_pct(r['concept_layer_rel_error_vs_1_over_R'], 2)})", "",
                             f"{r['total_ratio']:.3f}", f"{r['allocated_total_ratio']:.3f}"])
-        kv_table = H.md_table(["KV length", "model", "encoder layers: measured / formula",
+        kv_table = md_table(["KV length", "model", "encoder layers: measured / formula",
                                "concept layers: measured / formula", "decoder layers: measured / formula",
                                "total held: measured / formula", "allocated (capacity)"], kv_rows)
-        md = (f"## Decode latency per token: ConceptMoE vs matched MoE\n\n{H.settings_line(s)}\n\n"
+        md = (f"## Decode latency per token: ConceptMoE vs matched MoE\n\n{settings_line(s)}\n\n"
               f"- MoE: {pair_info['baseline']}\n- ConceptMoE: {pair_info['concept']}; boundary_mode=fixed (a concept "
               f"every {every} tokens, achieved R exactly {con_cfg.target_ratio:g}; same compute as a learned router "
               "at that R)\n"
@@ -230,10 +222,10 @@ def run(argv=None) -> dict:
                     for tag, m in models.items():
                         states[tag] = m.start_decoding(B, cap)
                         if fill_mode == "prefill":
-                            real_fill(m, states[tag], H.random_ids(B, N, base_cfg.vocab_size, s.device, seed=N + B))
+                            real_fill(m, states[tag], random_ids(B, N, base_cfg.vocab_size, s.device, seed=N + B))
                         else:
                             synthetic_fill(m, states[tag], B, N, seed=N + B)
-                tok = H.random_ids(B, 1, base_cfg.vocab_size, s.device, seed=7)[:, 0]
+                tok = random_ids(B, 1, base_cfg.vocab_size, s.device, seed=7)[:, 0]
 
                 def make(tag):
                     m, st = models[tag], states[tag]
@@ -243,11 +235,11 @@ def run(argv=None) -> dict:
                             m.step(st, tok)
                     return fn
                 with torch.inference_mode():
-                    comp = H.interleaved({t: make(t) for t in models}, s.device, s.reps, s.warmup)
+                    comp = interleaved({t: make(t) for t in models}, s.device, s.reps, s.warmup)
             except (torch.OutOfMemoryError, MemoryError) as err:
                 log(f"B={B} N={N}: out of memory; skipping the larger lengths")
-                results.append({"batch": B, "kv_len": N, "skipped": f"out of memory: {str(err).splitlines()[0][:200]}"})
-                H.free_memory(s.device)
+                results.append({"batch": B, "kv_len": N, "skipped": oom_reason(err)})
+                free_memory(s.device)
                 break
             concept_entries = [int(c.num_entries().max()) for c in states["concept"].concept_caches]
             sp = comp.speedup("moe", "concept")
@@ -263,17 +255,16 @@ def run(argv=None) -> dict:
                    "concept_cache_entries_after": concept_entries, "fill": fill_mode, "raw_times": comp.times}
             results.append(res)
             m, c = per_tok["moe"], per_tok["concept"]
-            rows.append([B, f"{N:,}", f"{H.fmt_time(m['median'])} [{H.fmt_time(m['q1'])}-{H.fmt_time(m['q3'])}]",
-                         f"{H.fmt_time(c['median'])} [{H.fmt_time(c['q1'])}-{H.fmt_time(c['q3'])}]",
-                         f"**{H.fmt_pct(sp['median_of_ratios'])}** [{H.fmt_pct(sp['ratio_q1'])}, "
-                         f"{H.fmt_pct(sp['ratio_q3'])}]", H.fmt_pct(pred["flops"]),
-                         H.fmt_pct(pred["bytes_batch1"]) if B == 1 else "",
+            rows.append([B, f"{N:,}", fmt_median_iqr(m), fmt_median_iqr(c),
+                         f"**{fmt_pct(sp['median_of_ratios'])}** [{fmt_pct(sp['ratio_q1'])}, "
+                         f"{fmt_pct(sp['ratio_q3'])}]", fmt_pct(pred["flops"]),
+                         fmt_pct(pred["bytes_batch1"]) if B == 1 else "",
                          f"{res['moe_tokens_per_s']:.1f} / {res['concept_tokens_per_s']:.1f}"])
-            log(f"B={B} N={N}: {H.fmt_time(m['median'])} vs {H.fmt_time(c['median'])} per step, speedup "
-                f"{H.fmt_pct(sp['median_of_ratios'])} (predicted FLOPs {H.fmt_pct(pred['flops'])})")
+            log(f"B={B} N={N}: {fmt_time(m['median'])} vs {fmt_time(c['median'])} per step, speedup "
+                f"{fmt_pct(sp['median_of_ratios'])} (predicted FLOPs {fmt_pct(pred['flops'])})")
             states = None
-            H.free_memory(s.device)
-            H.write_results(s, *report(), partial=True)
+            free_memory(s.device)
+            write_results(s, *report(), partial=True)
 
     def plot(plt):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -300,15 +291,8 @@ def run(argv=None) -> dict:
             ax.legend(fontsize=8)
         return fig
 
-    payload = H.write_results(s, *report(), plot)
-    log(f"wrote {s.out / s.name}.json/.md/.png")
-    return payload
-
-
-def main(argv=None) -> int:
-    run(argv)
-    return 0
+    return finish(s, report, plot, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

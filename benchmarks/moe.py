@@ -1,31 +1,18 @@
 """MoE layer: our ``MoEFeedForward`` vs transformers' own MoE block, and vs the matmul peak.
 
-Same shape, same weights, same tokens, same routing (softmax top-k, renormalised): our layer with
-``moe_dispatch="sorted"`` (the fast path) and ``"loop"`` (the per-expert reference), and
-transformers' ``Qwen3MoeSparseMoeBlock`` (installed transformers, random weights copied from ours)
-with each experts implementation of ``transformers.integrations.moe`` that is portable:
-``eager`` (the model file's per-expert loop), ``grouped_mm`` (sort + ``torch.nn.functional.grouped_mm``)
-and ``batched_mm`` (gathers a weight copy per (token, expert) pair and runs ``bmm``; skipped where
-those copies would not fit in ``--batched-mm-cap-gb``). The implementation is selected the
-documented way, ``config._experts_implementation`` (what ``from_pretrained(experts_implementation=...)``
-sets). ``deepgemm`` and ``sonicmoe`` need CUDA kernels fetched from the Hugging Face kernels hub and
-are only tried when named in ``--hf-impls``.
-
-Every variant and a large square matmul (the machine's practical peak for the dtype) are timed
-in the same interleaved rounds, for the forward (no grad) and the forward + backward (input and
-weight gradients). Reported: tokens/s, and the active-expert FLOP rate (forward 6 T k d I, forward
-+ backward 3x that; router and elementwise work not counted) as a fraction of the peak measured in
-the same rounds. Outputs of every variant are checked against ours (max abs difference).
+Same shape, weights, tokens and routing; every variant and a large square matmul are timed in the
+same interleaved rounds (forward, and forward + backward); outputs are checked against ours.
 
     python -m benchmarks.moe [--device cuda --dtype bfloat16] [--sizes 256,4096] [--smoke]
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 
-from benchmarks import harness as H
+from benchmarks.cli import base_parser, logger, setup
+from benchmarks.harness import free_memory, interleaved, make_matmul, matmul_peak_size
+from benchmarks.report import finish, fmt_median_iqr, fmt_num, md_table, settings_line, write_results
 
 NAME = "moe"
 PRESETS = {"smoke": [32, 128], "cpu": [32, 256, 2048], "gpu": [64, 1024, 16384]}
@@ -48,7 +35,12 @@ def build_ours(shape: dict, dispatch: str, device, dtype, seed: int = 0):
 
 
 def build_hf(shape: dict, impl: str, ours, device, dtype):
-    """transformers' Qwen3-MoE sparse block of the same shape, holding a copy of ``ours``'s weights."""
+    """transformers' Qwen3-MoE sparse block of the same shape, holding a copy of ``ours``'s weights.
+
+    ``impl`` is set the documented way, ``config._experts_implementation``: ``eager`` (per-expert
+    loop), ``grouped_mm``, ``batched_mm`` (a weight copy per (token, expert) pair; skipped above
+    ``--batched-mm-cap-gb``); ``deepgemm`` / ``sonicmoe`` need hub kernels and are tried only when named.
+    """
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     cfg = Qwen3MoeConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"],
@@ -65,7 +57,7 @@ def build_hf(shape: dict, impl: str, ours, device, dtype):
 
 
 def run(argv=None) -> dict:
-    ap = H.base_parser(NAME, __doc__.split("\n")[0], "token counts per call, e.g. 256,2048")
+    ap = base_parser(NAME, __doc__.split("\n")[0], "token counts per call, e.g. 256,2048")
     ap.add_argument("--shape", default=None, help="smoke | cpu | gpu or hidden,experts,top_k,inter (default by preset)")
     ap.add_argument("--hf-impls", default=",".join(PORTABLE_HF),
                     help="transformers experts implementations to try "
@@ -74,8 +66,8 @@ def run(argv=None) -> dict:
                     help="skip batched_mm when its per-pair weight copies exceed this (default 1.5 CPU, 20 CUDA)")
     ap.add_argument("--no-backward", action="store_true", help="forward only")
     args = ap.parse_args(argv)
-    s = H.setup(NAME, args, PRESETS, REPS)
-    log = H.logger(s)
+    s = setup(NAME, args, PRESETS, REPS)
+    log = logger(s)
     key = args.shape or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
     if key in SHAPES:
         shape = dict(SHAPES[key])
@@ -101,14 +93,14 @@ def run(argv=None) -> dict:
         except Exception as err:  # noqa: BLE001 - recorded, not hidden
             unavailable[f"hf_{impl}"] = f"{err.__class__.__name__}: {str(err).splitlines()[0][:200]}"
             log(f"hf_{impl}: unavailable here ({unavailable[f'hf_{impl}']})")
-    peak_n = H.matmul_peak_size(s.device, s.dtype, s.smoke)
-    peak_fn, peak_flops = H.make_matmul(s.device, s.dtype, peak_n)
+    peak_n = matmul_peak_size(s.device, s.dtype, s.smoke)
+    peak_fn, peak_flops = make_matmul(s.device, s.dtype, peak_n)
 
     def report():
-        table = H.md_table(["tokens", "pass", "variant", "time [IQR]", "tokens/s", "expert FLOP/s", "of peak",
+        table = md_table(["tokens", "pass", "variant", "time [IQR]", "tokens/s", "expert FLOP/s", "of peak",
                             "time vs ours_sorted", "max abs diff vs ours"], rows)
         md = (f"## MoE layer: ours vs transformers (Qwen3-MoE sparse block), {D} hidden, {E} experts, top-{K}, "
-              f"expert width {I}\n\n{H.settings_line(s)}\n\n"
+              f"expert width {I}\n\n{settings_line(s)}\n\n"
               "- ours_sorted = `MoEFeedForward(moe_dispatch=\"sorted\")` (CUDA bf16: `torch._grouped_mm`; else a "
               "per-expert loop over contiguous sorted segments); ours_loop = the per-expert masked reference\n"
               "- hf_* = `transformers.models.qwen3_moe.Qwen3MoeSparseMoeBlock` with `config._experts_implementation` "
@@ -162,7 +154,7 @@ def run(argv=None) -> dict:
             variants["matmul_peak"] = peak_fn
             inner = 1 if not s.is_cuda else 5
             log(f"T={T} {mode}: {len(variants)} variants, {s.warmup} warm-up + {s.reps} rounds")
-            comp = H.interleaved(variants, s.device, s.reps, s.warmup, inner=inner)
+            comp = interleaved(variants, s.device, s.reps, s.warmup, inner=inner)
             peak_rate = peak_flops / comp.median("matmul_peak")
             flops = flops_fwd * (1 if mode == "forward" else 3)
             per = {}
@@ -182,21 +174,20 @@ def run(argv=None) -> dict:
                                                           if fastest_hf else None),
                            "raw_times": comp.times}
             for name, r in per.items():
-                rows.append([f"{T:,}", mode, name, f"{H.fmt_time(r['seconds']['median'])} "
-                             f"[{H.fmt_time(r['seconds']['q1'])}-{H.fmt_time(r['seconds']['q3'])}]",
-                             f"{r['tokens_per_s']:,.0f}", H.fmt_num(r["expert_flops_per_s"], "FLOP/s"),
+                rows.append([f"{T:,}", mode, name, fmt_median_iqr(r["seconds"]),
+                             f"{r['tokens_per_s']:,.0f}", fmt_num(r["expert_flops_per_s"], "FLOP/s"),
                              f"{r['fraction_of_peak']:.0%}", f"{r['vs_ours_sorted']:.2f}x",
                              f"{check.get(name, 0.0):.1e}"])
             for name, why in skipped.items():
                 rows.append([f"{T:,}", mode, name, why, "", "", "", "", ""])
-            rows.append([f"{T:,}", mode, "matmul peak", f"{peak_n}^3 matmul", "", H.fmt_num(peak_rate, "FLOP/s"),
+            rows.append([f"{T:,}", mode, "matmul peak", f"{peak_n}^3 matmul", "", fmt_num(peak_rate, "FLOP/s"),
                          "100%", "", ""])
             log(f"T={T} {mode}: ours_sorted {per['ours_sorted']['fraction_of_peak']:.0%} of peak "
-                f"({H.fmt_num(peak_rate, 'FLOP/s')}); fastest HF {fastest_hf} "
+                f"({fmt_num(peak_rate, 'FLOP/s')}); fastest HF {fastest_hf} "
                 + (f"{per[fastest_hf]['vs_ours_sorted']:.2f}x our time" if fastest_hf else ""))
         results.append(entry)
-        H.free_memory(s.device)
-        H.write_results(s, *report(), partial=True)
+        free_memory(s.device)
+        write_results(s, *report(), partial=True)
 
     def plot(plt):
         fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
@@ -214,15 +205,8 @@ def run(argv=None) -> dict:
             ax.legend(fontsize=8)
         return fig
 
-    payload = H.write_results(s, *report(), plot)
-    log(f"wrote {s.out / s.name}.json/.md/.png")
-    return payload
-
-
-def main(argv=None) -> int:
-    run(argv)
-    return 0
+    return finish(s, report, plot, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

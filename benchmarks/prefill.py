@@ -1,28 +1,23 @@
 """Prefill: ConceptMoE (R = 2, FLOP/param-matched, strategy 1) vs its matched plain MoE.
 
-Forward latency of the whole LM (embedding -> logits) at batch 1, eval mode, no grad, over the
-sequence lengths of the preset; both models timed in the same run, interleaved. Reported per
-length: both latencies (median [IQR]), the speedup (t_MoE / t_ConceptMoE - 1, "how much faster"),
-the achieved compression ratio of each ConceptMoE run, and the speedup the FLOPs accountant
-predicts for that ratio (forward FLOPs per token INCLUDING the attention map), in two
-conventions: the accountant's default full N x N map, and the causal half that the fused
-attention kernels (CPU flash, CUDA flash) actually compute. measured / predicted compares
-against the causal one.
-
-ConceptMoE runs with ``boundary_mode="fixed"`` (a boundary every round(R) tokens): the achieved
-ratio is exactly R, with the compute of a learned router at ratio R (a random-init router's
-ratio is arbitrary).
+Forward latency of the whole LM at batch 1 per sequence length, both models interleaved, next to
+the speedup the FLOPs accountant predicts at the achieved ratio: with the full N x N attention map,
+and with the causal half that fused attention kernels compute (measured / predicted uses that one).
 
     python -m benchmarks.prefill [--device cuda --dtype bfloat16] [--sizes 1K,8K] [--smoke]
 """
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
-from benchmarks import harness as H
+from benchmarks.cli import base_parser, logger, setup
+from benchmarks.harness import free_memory, interleaved
+from benchmarks.model_pair import add_pair_args, build_model, load_pair, predicted_speedup, random_ids
+from benchmarks.report import (
+    finish, fmt_median_iqr, fmt_pct, md_table, oom_reason, settings_line, write_results,
+)
 
 NAME = "prefill"
 PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
@@ -46,7 +41,7 @@ def check_flops(base, con, base_cfg, con_cfg, N: int, device) -> dict:
 
     from vlm.flops import flops_per_token
     out = {}
-    ids = H.random_ids(1, N, base_cfg.vocab_size, device, seed=1)
+    ids = random_ids(1, N, base_cfg.vocab_size, device, seed=1)
     custom = {}
     if hasattr(torch.ops.aten, "_grouped_mm"):  # our MoE on CUDA bf16; FlopCounterMode has no formula for it
         custom[torch.ops.aten._grouped_mm] = _grouped_mm_flops
@@ -66,29 +61,29 @@ def check_flops(base, con, base_cfg, con_cfg, N: int, device) -> dict:
 
 
 def run(argv=None) -> dict:
-    ap = H.base_parser(NAME, __doc__.split("\n")[0], "sequence lengths, e.g. 1K,2K,8K")
-    H.add_pair_args(ap)
+    ap = base_parser(NAME, __doc__.split("\n")[0], "sequence lengths, e.g. 1K,2K,8K")
+    add_pair_args(ap)
     args = ap.parse_args(argv)
-    s = H.setup(NAME, args, PRESETS, REPS)
-    log = H.logger(s)
+    s = setup(NAME, args, PRESETS, REPS)
+    log = logger(s)
     pair = args.pair or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
-    base_cfg, con_cfg, pair_info = H.load_pair(pair, args.ratio, args.strategy, seq_len=8192)
+    base_cfg, con_cfg, pair_info = load_pair(pair, args.ratio, args.strategy, seq_len=8192)
     log(f"baseline: {pair_info['baseline']}")
     log(f"concept:  {pair_info['concept']} (params {pair_info['param_diff']:+.2%}, FLOPs w/o attn map "
         f"{pair_info['flop_diff_no_attn_map']:+.2%})")
-    base = H.build_model(base_cfg, s.device, s.dtype, seed=s.seed)
-    con = H.build_model(con_cfg, s.device, s.dtype, seed=s.seed)
+    base = build_model(base_cfg, s.device, s.dtype, seed=s.seed)
+    con = build_model(con_cfg, s.device, s.dtype, seed=s.seed)
     flop_check = check_flops(base, con, base_cfg, con_cfg, min(s.sizes), s.device)
     log("FlopCounterMode vs accountant (FLOPs/token without the attention map): "
         + ", ".join(f"{k} {v['counted_over_accountant']:.4f}" for k, v in flop_check.items()))
     rows, results = [], []
 
     def report():
-        table = H.md_table(["seq len", "rounds", "MoE forward", "ConceptMoE forward", "speedup", "achieved R",
+        table = md_table(["seq len", "rounds", "MoE forward", "ConceptMoE forward", "speedup", "achieved R",
                             "predicted (causal map)", "predicted (full map)", "measured / predicted"], rows)
         skipped = [r for r in results if "skipped" in r]
         md = (f"## Prefill latency: ConceptMoE vs matched MoE (batch 1, forward, no grad)\n\n"
-              f"{H.settings_line(s)}\n\n"
+              f"{settings_line(s)}\n\n"
               f"- MoE: {pair_info['baseline']}\n- ConceptMoE: {pair_info['concept']}; boundary_mode=fixed "
               f"(boundary every round(R) tokens, so the achieved R is exactly the target; same compute as a "
               f"learned router at that R)\n"
@@ -104,7 +99,7 @@ def run(argv=None) -> dict:
         return {"pair": pair_info, "flop_check": flop_check, "results": results}, md
 
     for N in s.sizes:
-        ids = H.random_ids(1, N, base_cfg.vocab_size, s.device, seed=s.seed + N)
+        ids = random_ids(1, N, base_cfg.vocab_size, s.device, seed=s.seed + N)
         ratios = []
 
         def f_base():
@@ -121,16 +116,16 @@ def run(argv=None) -> dict:
         log(f"N={N}: {warmup} warm-up + {reps} rounds")
         try:
             with torch.inference_mode():
-                comp = H.interleaved({"moe": f_base, "concept": f_con}, s.device, reps, warmup, log=log)
+                comp = interleaved({"moe": f_base, "concept": f_con}, s.device, reps, warmup, log=log)
         except (torch.OutOfMemoryError, MemoryError) as err:
             log(f"N={N}: out of memory ({err.__class__.__name__}); stopping here")
-            results.append({"seq_len": N, "skipped": f"out of memory: {str(err).splitlines()[0][:200]}"})
-            H.free_memory(s.device)
+            results.append({"seq_len": N, "skipped": oom_reason(err)})
+            free_memory(s.device)
             break
         ratio = sum(ratios) / len(ratios)
         sp = comp.speedup("moe", "concept")
-        pred_full = H.predicted_speedup(base_cfg, con_cfg, N, ratio=ratio, causal_half=False)
-        pred_causal = H.predicted_speedup(base_cfg, con_cfg, N, ratio=ratio, causal_half=True)
+        pred_full = predicted_speedup(base_cfg, con_cfg, N, ratio=ratio, causal_half=False)
+        pred_causal = predicted_speedup(base_cfg, con_cfg, N, ratio=ratio, causal_half=True)
         measured = sp["median_of_ratios"]
         res = {"seq_len": N, "batch": 1, "reps": reps, "warmup": warmup, "moe_s": comp.stats("moe"),
                "concept_s": comp.stats("concept"),
@@ -144,16 +139,15 @@ def run(argv=None) -> dict:
         results.append(res)
         m, c = res["moe_s"], res["concept_s"]
         rows.append([f"{N:,}", f"{reps} (+{warmup})",
-                     f"{H.fmt_time(m['median'])} [{H.fmt_time(m['q1'])}-{H.fmt_time(m['q3'])}]",
-                     f"{H.fmt_time(c['median'])} [{H.fmt_time(c['q1'])}-{H.fmt_time(c['q3'])}]",
-                     f"**{H.fmt_pct(measured)}** [{H.fmt_pct(sp['ratio_q1'])}, {H.fmt_pct(sp['ratio_q3'])}]",
-                     f"{ratio:.3f}", H.fmt_pct(pred_causal), H.fmt_pct(pred_full),
+                     fmt_median_iqr(m), fmt_median_iqr(c),
+                     f"**{fmt_pct(measured)}** [{fmt_pct(sp['ratio_q1'])}, {fmt_pct(sp['ratio_q3'])}]",
+                     f"{ratio:.3f}", fmt_pct(pred_causal), fmt_pct(pred_full),
                      f"{res['measured_over_predicted']:.0%}" if res["measured_over_predicted"] else "n/a"])
-        log(f"N={N}: speedup {H.fmt_pct(measured)} (predicted causal {H.fmt_pct(pred_causal)}, "
-            f"full map {H.fmt_pct(pred_full)}), ratio {ratio:.3f}")
+        log(f"N={N}: speedup {fmt_pct(measured)} (predicted causal {fmt_pct(pred_causal)}, "
+            f"full map {fmt_pct(pred_full)}), ratio {ratio:.3f}")
         ids = None
-        H.free_memory(s.device)
-        H.write_results(s, *report(), partial=True)
+        free_memory(s.device)
+        write_results(s, *report(), partial=True)
 
     def plot(plt):
         ok = [r for r in results if "skipped" not in r]
@@ -178,15 +172,8 @@ def run(argv=None) -> dict:
             ax.set_xticks(xs, [f"{x // 1024}K" if x >= 1024 else str(x) for x in xs])
         return fig
 
-    payload = H.write_results(s, *report(), plot)
-    log(f"wrote {s.out / s.name}.json/.md/.png")
-    return payload
-
-
-def main(argv=None) -> int:
-    run(argv)
-    return 0
+    return finish(s, report, plot, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

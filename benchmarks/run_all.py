@@ -1,13 +1,9 @@
 """Run every benchmark (``make bench``) and write ``<out>/SUMMARY.md`` with all their tables.
 
-Runs prefill, decode, moe and train in this process, one after the other (one interpreter start:
-importing torch + transformers is slow on a loaded machine), with the shared flags passed through;
-a benchmark that fails is reported in the summary and the others still run (exit status 1 then).
+One process for all (importing torch + transformers is slow); a failing benchmark is reported and
+the others still run (exit status 1).
 
-    python -m benchmarks.run_all                      # CPU sizes, benchmarks/results/
-    python -m benchmarks.run_all --smoke --out /tmp/b # CI-sized
-    python -m benchmarks.run_all --device cuda --out benchmarks/results/gpu   # see benchmarks/gpu.sh
-    python -m benchmarks.run_all --only prefill,moe -- --reps 5              # extra args after --
+    python -m benchmarks.run_all [--smoke] [--device cuda] [--out DIR] [--only prefill,moe] [-- EXTRA ARGS]
 """
 from __future__ import annotations
 
@@ -19,7 +15,11 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import harness as H
+import torch
+
+from benchmarks.cli import RESULTS
+from benchmarks.harness import free_memory
+from benchmarks.machine import machine_info
 
 BENCHMARKS = ("prefill", "decode", "moe", "train")
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", default="auto")
-    ap.add_argument("--out", default=str(H.RESULTS))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--only", default=",".join(BENCHMARKS), help="comma list of benchmarks to run")
     ap.add_argument("--summary-only", action="store_true",
                     help="run nothing; write SUMMARY.md from the <name>.md files already in --out (gpu.sh)")
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         except Exception as err:  # noqa: BLE001 - one failing benchmark must not hide the others
             traceback.print_exc()
             status[name] = ("FAILED", time.perf_counter() - t0, f"{err.__class__.__name__}: {err}")
-        H.free_memory(H.torch.device(args.device))
+        free_memory(torch.device(args.device))
     total = time.perf_counter() - t_all
     write_summary(out, status, total, args)
     print(f"=== done in {total:.0f} s; summary: {out / 'SUMMARY.md'}", flush=True)
@@ -85,7 +85,7 @@ def _order(path: Path):
 
 
 def write_summary(out: Path, status: dict, total: float | None, args, info: dict | None = None) -> None:
-    info = info or H.machine_info(H.torch.device(args.device))
+    info = info or machine_info(torch.device(args.device))
     lines = ["# Benchmark summary", "",
              f"`python -m benchmarks.run_all {'--smoke ' if args.smoke else ''}--device {args.device}` on "
              f"{info.get('gpu') or info.get('cpu')} ({info.get('usable_cores')} usable cores, "

@@ -1,32 +1,28 @@
 """Training throughput and MFU: ConceptMoE vs its matched plain MoE (default: the ``small`` presets).
 
-One training step = forward with labels (LM loss + ratio / load-balance / z losses), backward,
-``torch.optim.AdamW`` step, zero grad; random token batches of ``--batch`` rows x seq length.
-Both models (each with its own optimizer) and a large square matmul are timed in the same
-interleaved rounds. Reported: step time, tokens/s, and MFU = model training FLOPs per token
-(``vlm.flops.flops_per_token(cfg, T, ratio)["train_total"]`` = 3 x forward, attention map as the
-accountant counts it: full N x N; the causal-half variant is in the JSON) x tokens/s / the matmul
-peak measured in the same rounds. ConceptMoE uses ``boundary_mode="fixed"`` by default (a
-boundary every round(R) tokens: achieved R = target; same compute as a learned router at that R;
-``--boundary-mode dynamic`` trains the learned router with boundary noise instead).
-
-Precision: fp32 on CPU; with ``--dtype bfloat16`` (the CUDA default) the weights, activations and
-AdamW states are bf16 (what routes our MoE through ``torch._grouped_mm``), a throughput setting.
+One step = forward with labels, backward, AdamW step; both models and a square matmul (the peak
+that MFU divides by) are timed in the same interleaved rounds. bf16 (the CUDA default) keeps the
+weights, activations and AdamW states in bf16.
 
     python -m benchmarks.train [--device cuda] [--sizes 256] [--batch 2] [--smoke]
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 
-from benchmarks import harness as H
+from benchmarks import ROOT
+from benchmarks.cli import base_parser, logger, setup
+from benchmarks.harness import free_memory, interleaved, make_matmul, matmul_peak_size
+from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
+from benchmarks.report import (
+    finish, fmt_median_iqr, fmt_num, fmt_pct, md_table, oom_reason, settings_line, write_results,
+)
 
 NAME = "train"
 PRESETS = {"smoke": [32], "cpu": [256], "gpu": [2048]}
 REPS = {"smoke": 1, "cpu": 3, "gpu": 10}
-SMALL = (H.ROOT / "configs" / "model" / "small.yaml", H.ROOT / "configs" / "model" / "small_concept.yaml")
+SMALL = (ROOT / "configs" / "model" / "small.yaml", ROOT / "configs" / "model" / "small_concept.yaml")
 
 
 def default_pair(preset: str) -> str:
@@ -38,45 +34,46 @@ def default_pair(preset: str) -> str:
 
 
 def run(argv=None) -> dict:
-    ap = H.base_parser(NAME, __doc__.split("\n")[0], "sequence lengths (rows of --batch), e.g. 256,512")
-    H.add_pair_args(ap)
+    ap = base_parser(NAME, __doc__.split("\n")[0], "sequence lengths (rows of --batch), e.g. 256,512")
+    add_pair_args(ap)
     ap.add_argument("--batch", type=int, default=None, help="rows per step (default 2 CPU, 16 CUDA, 2 smoke)")
-    ap.add_argument("--boundary-mode", choices=("fixed", "dynamic"), default="fixed")
+    ap.add_argument("--boundary-mode", choices=("fixed", "dynamic"), default="fixed",
+                    help="fixed: a boundary every round(R) tokens; dynamic: the learned router with boundary noise")
     ap.add_argument("--lr", type=float, default=1e-4)
     args = ap.parse_args(argv)
-    s = H.setup(NAME, args, PRESETS, REPS)
-    log = H.logger(s)
+    s = setup(NAME, args, PRESETS, REPS)
+    log = logger(s)
     pair = args.pair or default_pair(s.preset)
     batch = args.batch or (16 if s.is_cuda and s.preset != "smoke" else 2)
     from vlm.flops import flops_per_token
     results, rows = [], []
-    base_cfg, con_cfg, pair_info = H.load_pair(pair, args.ratio, args.strategy, seq_len=max(s.sizes),
+    base_cfg, con_cfg, pair_info = load_pair(pair, args.ratio, args.strategy, seq_len=max(s.sizes),
                                                boundary_mode=args.boundary_mode)
     log(f"MoE: {pair_info['baseline']}")
     log(f"ConceptMoE: {pair_info['concept']} ({args.boundary_mode} boundaries)")
-    models = {"moe": H.build_model(base_cfg, s.device, s.dtype, seed=s.seed, train=True),
-              "concept": H.build_model(con_cfg, s.device, s.dtype, seed=s.seed, train=True)}
+    models = {"moe": build_model(base_cfg, s.device, s.dtype, seed=s.seed, train=True),
+              "concept": build_model(con_cfg, s.device, s.dtype, seed=s.seed, train=True)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for k, m in models.items()}
-    peak_fn, peak_flops = H.make_matmul(s.device, s.dtype, H.matmul_peak_size(s.device, s.dtype, s.smoke))
+    peak_fn, peak_flops = make_matmul(s.device, s.dtype, matmul_peak_size(s.device, s.dtype, s.smoke))
 
     def report():
-        table = H.md_table(["seq len", "batch", "model", "step time [IQR]", "tokens/s", "train FLOPs/token",
+        table = md_table(["seq len", "batch", "model", "step time [IQR]", "tokens/s", "train FLOPs/token",
                             "model FLOP/s", "matmul peak", "MFU", "MFU (causal map)"], rows)
         sp = [r for r in results if "skipped" not in r]
         md = ("## Training throughput and MFU (AdamW, forward + backward + step)"
-              + f"\n\n{H.settings_line(s)}\n\n"
+              + f"\n\n{settings_line(s)}\n\n"
               f"- MoE: {pair_info['baseline']} ({pair_info['baseline_config']})\n- ConceptMoE: {pair_info['concept']} "
               f"({pair_info.get('concept_config', 'solved by the accountant')}); boundary_mode={args.boundary_mode}"
               + (f"; achieved R {sp[0]['achieved_ratio']:.3f}" if sp else "") + "\n"
               "- MFU = accountant training FLOPs/token (3 x forward, full attention map) x tokens/s / the fp32 "
               "(or --dtype) "
               "matmul peak measured in the same interleaved rounds; 'causal map' counts half the attention map\n"
-              + "".join(f"- T={r['seq_len']}: ConceptMoE step speedup {H.fmt_pct(r['speedup']['median_of_ratios'])}\n"
+              + "".join(f"- T={r['seq_len']}: ConceptMoE step speedup {fmt_pct(r['speedup']['median_of_ratios'])}\n"
                         for r in sp) + "\n" + table + "\n")
         return {"pair": pair_info, "batch": batch, "boundary_mode": args.boundary_mode, "results": results}, md
 
     for T in s.sizes:
-        ids = H.random_ids(batch, T, base_cfg.vocab_size, s.device, seed=s.seed + T)
+        ids = random_ids(batch, T, base_cfg.vocab_size, s.device, seed=s.seed + T)
         ratios = []
         losses = {k: [] for k in models}
 
@@ -94,12 +91,12 @@ def run(argv=None) -> dict:
             return step
         log(f"T={T} batch={batch}: {s.warmup} warm-up + {s.reps} rounds")
         try:
-            comp = H.interleaved({"moe": make("moe"), "concept": make("concept"), "matmul_peak": peak_fn},
+            comp = interleaved({"moe": make("moe"), "concept": make("concept"), "matmul_peak": peak_fn},
                                  s.device, s.reps, s.warmup, log=log)
         except (torch.OutOfMemoryError, MemoryError) as err:
-            why = f"out of memory: {str(err).splitlines()[0][:200]}"
+            why = oom_reason(err)
             results.append({"seq_len": T, "batch": batch, "skipped": why})
-            H.free_memory(s.device)
+            free_memory(s.device)
             break
         ratio = sum(ratios) / len(ratios)
         peak = peak_flops / comp.median("matmul_peak")
@@ -119,14 +116,14 @@ def run(argv=None) -> dict:
                 from vlm.training.metrics import guess_peak_flops
                 res[tag]["mfu_vs_spec_sheet"] = f["train_total"] * tps / guess_peak_flops("cuda")
             rows.append([f"{T:,}", batch, "MoE" if tag == "moe" else "ConceptMoE",
-                         f"{H.fmt_time(st['median'])} [{H.fmt_time(st['q1'])}-{H.fmt_time(st['q3'])}]",
-                         f"{tps:,.0f}", H.fmt_num(f["train_total"]), H.fmt_num(f["train_total"] * tps, "FLOP/s"),
-                         H.fmt_num(peak, "FLOP/s"), f"**{res[tag]['mfu']:.1%}**", f"{res[tag]['mfu_causal']:.1%}"])
+                         fmt_median_iqr(st),
+                         f"{tps:,.0f}", fmt_num(f["train_total"]), fmt_num(f["train_total"] * tps, "FLOP/s"),
+                         fmt_num(peak, "FLOP/s"), f"**{res[tag]['mfu']:.1%}**", f"{res[tag]['mfu_causal']:.1%}"])
         results.append(res)
         log(f"T={T}: MoE {res['moe']['tokens_per_s']:,.0f} tok/s MFU {res['moe']['mfu']:.1%}; ConceptMoE "
             f"{res['concept']['tokens_per_s']:,.0f} tok/s MFU {res['concept']['mfu']:.1%}; ratio {ratio:.3f}")
-        H.free_memory(s.device)
-        H.write_results(s, *report(), partial=True)
+        free_memory(s.device)
+        write_results(s, *report(), partial=True)
     def plot(plt):
         sp = [r for r in results if "skipped" not in r]
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -141,15 +138,8 @@ def run(argv=None) -> dict:
             ax.tick_params(axis="x", labelrotation=20)
         return fig
 
-    payload = H.write_results(s, *report(), plot)
-    log(f"wrote {s.out / s.name}.json/.md/.png")
-    return payload
-
-
-def main(argv=None) -> int:
-    run(argv)
-    return 0
+    return finish(s, report, plot, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -11,7 +11,10 @@ import math
 import pytest
 import torch
 
-from benchmarks import decode, harness, moe, prefill, run_all, train
+from benchmarks import decode, moe, prefill, run_all, train
+from benchmarks.cli import parse_sizes
+from benchmarks.harness import interleaved, stats
+from benchmarks.model_pair import build_model, load_pair, random_ids
 
 SMOKE = ["--smoke", "--threads", "1"]
 
@@ -120,12 +123,12 @@ def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data):
 
 def test_synthetic_fill_matches_real_prefill():
     """decode.py's synthetic cache fill leaves the same lengths and decode fields as a real prefill."""
-    base, con, _ = harness.load_pair("smoke")
-    model = harness.build_model(con, torch.device("cpu"), torch.float32)
+    base, con, _ = load_pair("smoke")
+    model = build_model(con, torch.device("cpu"), torch.float32)
     N, B = 20, 2
     with torch.inference_mode():
         real = model.start_decoding(B, N + 8)
-        model.prefill(real, harness.random_ids(B, N, con.vocab_size, torch.device("cpu")))
+        model.prefill(real, random_ids(B, N, con.vocab_size, torch.device("cpu")))
         fake = model.start_decoding(B, N + 8)
         decode.synthetic_fill(model, fake, B, N)
         for a, b in zip(real.token_caches + real.concept_caches, fake.token_caches + fake.concept_caches):
@@ -142,16 +145,16 @@ def test_synthetic_fill_matches_real_prefill():
 
 def test_interleaving_and_stats():
     calls = []
-    comp = harness.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+    comp = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
                                torch.device("cpu"), reps=3, warmup=1)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # order flips every round
     assert len(comp.times["a"]) == 3 and comp.order == [["b", "a"], ["a", "b"], ["b", "a"]]
-    st = harness.stats([1.0, 2.0, 3.0, 4.0, 5.0])
+    st = stats([1.0, 2.0, 3.0, 4.0, 5.0])
     assert (st["median"], st["q1"], st["q3"]) == (3.0, 2.0, 4.0)
     comp.times = {"a": [2.0, 2.0, 2.0], "b": [1.0, 1.0, 1.0]}
     assert comp.speedup("a", "b")["median_of_ratios"] == pytest.approx(1.0)  # b is 100% faster
 
 
 def test_size_parsing():
-    assert harness.parse_sizes("1K,2k,300", {}, "cpu") == ("custom", [1024, 2048, 300])
-    assert harness.parse_sizes(None, {"cpu": [1, 2]}, "cpu") == ("cpu", [1, 2])
+    assert parse_sizes("1K,2k,300", {}, "cpu") == ("custom", [1024, 2048, 300])
+    assert parse_sizes(None, {"cpu": [1, 2]}, "cpu") == ("cpu", [1, 2])
