@@ -1,14 +1,7 @@
 """Data package of ConceptMoE-VL: readers, chat tokenisation, collators, mixtures, default data.
 
-Flow of one training sample:
-
-    reader[i] (llava_json / text_corpus / webdataset_shards)  -> raw record or Skip
-    SampleEncoder (encode.py, uses ChatTokenizer + image transform) -> ids, labels, pixels
-    PadCollator / PackingCollator (collate.py)                 -> batch dict
-    MixtureDataset + MixtureLoader (mixture.py)                -> weighted, resumable batches
-
-`build_loader(data_cfg, chat_tokenizer, image_transform, batch_size, rank, world_size,
-num_workers, seed)` wires it all from a config such as configs/data/default.yaml.
+`build_loader` (mixture.py) wires them from a data config; the flow and the formats are in
+data_pipelines/README.md.
 """
 
 import importlib

@@ -1,25 +1,7 @@
 """Chat format, image-placeholder expansion and loss masks, with a self-check on every sample.
 
-One conversation renders as (per turn, LLaVA "human"/"gpt" or HF "user"/"assistant"):
-
-    <|user|>\\n{human}<|end|>\\n<|assistant|>\\n{gpt}<|end|>\\n
-
-Training labels (-100 = no loss) are set ONLY on each assistant reply's text plus its `<|end|>`
-token. A generation prompt is the rendered turns followed by `<|assistant|>\\n`; generation
-stops at `<|end|>`. Labels are *unshifted* (HF convention): labels[t] is the token at t, the
-model shifts. A BOS token is prepended when the tokenizer has one (e.g. Llama/Mistral `<s>`;
-our BPE tokenizer has none); it never carries loss.
-
-Each `<image>` placeholder (a single special token after tokenisation) is expanded on token
-ids to `<im_start>` + P x `<image>` + `<im_end>`, P = num_image_tokens from the model.
-
-How labels are found: the rendered string is tokenised once with offsets; a token is labelled
-when its character span lies inside an assistant span (reply text + `<|end|>`). The self-check
-then requires: no token straddles a span edge; every labelled run decodes back to exactly
-`reply + <|end|>`; every structural special token (roles, `<|end|>`, image tokens) occurs
-exactly as often as rendered (so user text that *contains* a special-token string is caught);
-and the number of `<image>` ids == P x number of images. Any failure raises
-`TokenizationMismatch(sample_id, detail)`; the data loader counts it as `tokenization_mismatch`.
+The format, the label rule and the checks are in data_pipelines/README.md; a failed check raises
+`TokenizationMismatch(sample_id, detail)`, which the loader counts as `tokenization_mismatch`.
 """
 
 from __future__ import annotations

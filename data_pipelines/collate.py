@@ -1,27 +1,5 @@
-"""Collators: encoded samples (and Skips) -> one padded or packed batch.
-
-Batch format (both collators):
-
-    input_ids      Long[B, T]   token ids, padded with the pad id
-    labels         Long[B, T]   -100 = no loss (padding, prompts, image tokens, and the first
-                                token of every sample: nothing precedes it inside its sample,
-                                so with HF-style shifting it is never a target)
-    attention_mask Long[B, T]   1 = real token, 0 = padding
-    position_ids   Long[B, T]   0.. restarting at every (packed) sample; 0 on padding
-    segment_ids    Long[B, T]   1, 2, 3.. one id per sample within a row; 0 = padding
-    pixel_values   Float[N, 3, H, W] | None   all images of the batch in order of appearance,
-                                row-major (row 0 left to right, then row 1, ...)
-    skipped        dict reason -> count of samples dropped while building this batch
-    num_samples    int          samples actually in the batch
-
-Truncation (`truncate_sample`) cuts a sample to max_length but never inside an image span
-`<im_start> <image>*P <im_end>`: the cut moves before that span's `<im_start>`, and images
-cut off lose their pixel tensors. A sample is dropped as `too_long` when it had images but
-none survive, or when no loss-carrying token survives.
-
-`PadCollator`: one sample per row. `PackingCollator`: greedy first-fit of whole samples into
-rows of at most max_length tokens (order within a row = input order). Padding side is right
-for training; "left" is available (position ids still start at 0 at the first real token).
+"""Collators: encoded samples (and Skips) -> one padded or packed batch (the batch format is in
+data_pipelines/README.md), and `pad_token_lists` for batches of prompts.
 """
 
 from __future__ import annotations
@@ -33,8 +11,37 @@ import torch
 from .common import IGNORE_INDEX, Skip
 
 
+def pad_token_lists(rows, pad_id: int, side: str = "left", device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> (input_ids, attention_mask), both Long[B, longest row], padded on ``side``.
+
+    Left padding (the default) is the layout of generation and scoring prompts: every row ends in
+    the last column. attention_mask is 1 on real tokens, 0 on padding.
+    """
+    if side not in ("left", "right"):
+        raise ValueError("padding_side must be 'left' or 'right'")
+    rows = [list(row) for row in rows]
+    width = max((len(row) for row in rows), default=0)
+    ids, mask = [], []
+    for row in rows:
+        fill = width - len(row)
+        if side == "left":
+            ids.append([pad_id] * fill + row)
+            mask.append([0] * fill + [1] * len(row))
+        else:
+            ids.append(row + [pad_id] * fill)
+            mask.append([1] * len(row) + [0] * fill)
+    shape = (len(rows), width)
+    return (torch.tensor(ids, dtype=torch.long, device=device).view(shape),
+            torch.tensor(mask, dtype=torch.long, device=device).view(shape))
+
+
 def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id):
-    """Cut `sample` to at most max_length tokens without splitting an image span (or Skip)."""
+    """Cut `sample` to at most max_length tokens without splitting an image span (or Skip).
+
+    A cut inside `<im_start> <image>*P <im_end>` moves before that span's `<im_start>`, and images
+    cut off lose their pixel tensors. The sample is dropped as `too_long` when it had images but
+    none survive, or when no loss-carrying token survives.
+    """
     ids, labels = sample["input_ids"], sample["labels"]
     length = int(ids.numel())
     if length <= max_length:
@@ -57,7 +64,11 @@ def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id)
 
 
 class PadCollator:
-    """One sample per row, padded to the longest row of the batch."""
+    """One sample per row, padded to the longest row of the batch.
+
+    Padding is on the right for training; "left" is available (position ids still start at 0 at
+    the first real token).
+    """
 
     def __init__(self, pad_id: int, max_length: int, image_start_id=None, image_end_id=None,
                  padding_side: str = "right"):
@@ -122,7 +133,7 @@ class PadCollator:
 
 
 class PackingCollator(PadCollator):
-    """Several whole samples per row (greedy first-fit) up to max_length tokens."""
+    """Several whole samples per row (greedy first-fit, input order within a row) up to max_length tokens."""
 
     def __init__(self, *args, pad_to_max_length: bool = False, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,18 +1,13 @@
-"""Shared conventions of the data package: special tokens, the skip marker, record checks.
-
-Every reader yields *raw records*, plain dicts of one of two shapes:
-
-    {"id": str, "conversations": [{"from": "human"|"gpt", "value": str}, ...], "images": [PIL RGB, ...]}
-    {"id": str, "text": str}
-
-or a `Skip(reason, sample_id, detail)` marker instead of raising. Skips travel through the
-encoder and collator untouched and end up counted in the batch's `skipped` dict, so a bad
-record never stops a run (the loader aborts only if the bad fraction gets too high).
+"""Shared conventions of the data package: special tokens, the `Skip` marker and its reasons, record
+checks (records and skips: data_pipelines/README.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# dataset types a mixture can read (the training config validates against this list)
+DATASET_TYPES = ("llava_json", "text")
 
 # --- special tokens (exact strings shared with the model, eval and generation code) ---
 PAD_TOKEN = "<|pad|>"

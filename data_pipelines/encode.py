@@ -1,13 +1,6 @@
-"""Raw record -> encoded sample (token ids, labels, pixel tensors), run inside DataLoader workers.
-
-An encoded sample is a dict:
+"""Raw record -> encoded sample, run inside DataLoader workers:
 
     {"id": str, "input_ids": Long[L], "labels": Long[L], "pixel_values": Float[n,3,H,W] | None}
-
-A `Skip` passes through unchanged. A `TokenizationMismatch` from the chat tokenizer becomes
-`Skip("tokenization_mismatch")`; any other unexpected exception while encoding one record
-becomes `Skip("unexpected_error:<ExceptionType>")`, so one odd record cannot kill a long run
-(the loader's bad-data limit still stops a run where this happens systematically).
 """
 
 from __future__ import annotations
@@ -19,6 +12,10 @@ from .common import Skip
 
 
 class SampleEncoder:
+    """Encodes one record; a Skip passes through, and an error while encoding becomes a Skip
+    (`tokenization_mismatch`, or `unexpected_error:<ExceptionType>`), so one odd record cannot end a
+    long run (the loader's bad-data limit still stops a run where it happens systematically)."""
+
     def __init__(self, chat_tokenizer: ChatTokenizer, image_transform=None):
         self.chat_tokenizer = chat_tokenizer
         self.image_transform = image_transform

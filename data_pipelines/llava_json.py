@@ -1,21 +1,7 @@
 """LLaVA-style conversation files (JSON list or JSONL) as a map-style torch Dataset.
 
-Record format (one per list element / line):
-
-    {"id": "...", "image": "rel/path.png" | ["a.png", "b.png"] | absent,
-     "conversations": [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "..."}]}
-
-`dataset[i]` returns `{"id", "conversations", "images": [PIL RGB, ...]}` or a `Skip` - it
-never raises on bad data. Reasons: `bad_json_line` (JSONL line that is not a JSON object),
-`non_utf8` (undecodable bytes in the record), `missing_key` (no/invalid `conversations`, turn
-without from/value, bad `image` field), `empty_conversation`, `bad_role`, `missing_image`,
-`corrupt_image`, `image_too_large` (header-only size check before decoding, see images.py),
-`placeholder_mismatch` (number of `<image>` in the text != number of images).
-
-Storage: records are kept as one bytes blob + numpy offsets (JSONL: file byte offsets, read on
-demand), not as a list of dicts, so forked DataLoader workers do not copy-on-write the index.
-A JSON-list file that cannot be parsed at all is a configuration error and raises at
-construction (not mid-run).
+`dataset[i]` is `{"id", "conversations", "images": [PIL RGB, ...]}` or a `Skip`; it never raises on
+bad data (record format and skip reasons: data_pipelines/README.md).
 """
 
 from __future__ import annotations
@@ -31,6 +17,10 @@ from .images import DEFAULT_MAX_PIXELS, load_image
 
 
 class LlavaJsonDataset(Dataset):
+    """Records are kept as one bytes blob + numpy offsets (JSONL: file byte offsets, read on demand),
+    not as a list of dicts, so forked DataLoader workers do not copy-on-write the index. A JSON-list
+    file that cannot be parsed at all raises here, at construction, not mid-run."""
+
     def __init__(self, path: str, image_root: str | None = None,
                  max_image_pixels: int = DEFAULT_MAX_PIXELS, name: str | None = None):
         self.path = str(path)

@@ -1,27 +1,7 @@
-"""Weighted, deterministic, resumable mixtures of datasets, and the training data loader.
+"""Weighted, deterministic, resumable mixtures of datasets, and the training data loader (`build_loader`).
 
-The global sample order is a pure function of (seed, position) - independent of worker count:
-
-1. Positions are grouped in blocks of `block_size` (default 1000). Each block holds an exact
-   quota per dataset (largest-remainder rounding of weight x block_size), shuffled by
-   `np.random.default_rng([seed, 0, block])`.
-2. The n-th draw of dataset k (n = k's quota x block + its rank inside the block) reads
-   element `perm_{k,e}[n mod len_k]` with epoch e = n // len_k and
-   `perm_{k,e} = np.random.default_rng([seed, 1 + k, e]).permutation(len_k)` (identity
-   when shuffle is off). So every dataset is visited exactly once per (its own) epoch.
-
-Both steps are O(1) per position (with small caches), so resuming never iterates to skip.
-
-`MixtureLoader` walks the positions of its data-parallel rank (rank r of W gets positions
-r, r+W, r+2W, ... - disjoint slices of the global order), fetches/encodes/collates each batch
-in DataLoader workers (one batch per worker task, so order does not depend on num_workers) and
-yields collated batches (see collate.py for the format). `state_dict()` = {seed,
-samples_consumed (global positions handed out, all ranks), bad-data counters}; a rebuilt loader
-given `load_state_dict(state)` continues at the exact next sample. Batches whose samples were
-all skipped are not yielded; their skips are added to the next yielded batch's `skipped`.
-
-Bad data: cumulative counts per reason; once at least `min_samples_for_bad_check` (200)
-positions were seen, a skipped fraction above `max_bad_fraction` (0.01) raises TooMuchBadData.
+The global sample order is a pure function of (seed, position), independent of the worker count,
+and O(1) to compute per position, so resuming never iterates to skip.
 """
 
 from __future__ import annotations
@@ -35,6 +15,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset
 
 from .collate import PackingCollator, PadCollator
+from .common import DATASET_TYPES
 from .encode import SampleEncoder
 from .images import DEFAULT_MAX_PIXELS
 from .llava_json import LlavaJsonDataset
@@ -58,7 +39,16 @@ def block_quotas(weights, block_size: int) -> list[int]:
 
 
 class MixtureSchedule:
-    """position -> (dataset index, element index), deterministic from the seed."""
+    """position -> (dataset index, element index), deterministic from the seed.
+
+    1. Positions are grouped in blocks of `block_size`. Each block holds an exact quota per dataset
+       (largest-remainder rounding of weight x block_size), shuffled by
+       `np.random.default_rng([seed, 0, block])`.
+    2. The n-th draw of dataset k (n = k's quota x block + its rank inside the block) reads element
+       `perm_{k,e}[n mod len_k]`, epoch e = n // len_k, with
+       `perm_{k,e} = np.random.default_rng([seed, 1 + k, e]).permutation(len_k)` (identity when
+       shuffle is off): every dataset is visited exactly once per (its own) epoch.
+    """
 
     def __init__(self, sizes, weights, seed: int = 0, block_size: int = 1000, shuffle: bool = True):
         self.sizes, self.seed, self.shuffle = [int(s) for s in sizes], int(seed), bool(shuffle)
@@ -124,10 +114,6 @@ class MixtureDataset(Dataset):
     def __len__(self) -> int:  # nominal: one pass over every dataset; positions go on forever
         return sum(len(d) for d in self.datasets)
 
-    def locate(self, position: int) -> tuple[str, int]:
-        k, j = self.schedule(position)
-        return self.names[k], j
-
     def __getitem__(self, position: int):
         k, j = self.schedule(position)
         return self.encoder(self.datasets[k][j])
@@ -157,7 +143,15 @@ def _worker_init(_worker_id: int) -> None:
 
 
 class MixtureLoader:
-    """Iterates collated batches for one rank; resumable via state_dict()/load_state_dict()."""
+    """Iterates collated batches for one rank; resumable via state_dict()/load_state_dict().
+
+    Rank r of W gets positions r, r+W, r+2W, ... (disjoint slices of the global order); DataLoader
+    workers fetch, encode and collate one whole batch per task, so the order does not depend on
+    num_workers. Batches whose samples were all skipped are not yielded; their skips are added to
+    the next yielded batch's `skipped`. Skips are counted per reason; once
+    `min_samples_for_bad_check` positions were seen, a skipped fraction above `max_bad_fraction`
+    raises TooMuchBadData.
+    """
 
     def __init__(self, dataset: MixtureDataset, collator, batch_size: int, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, max_bad_fraction: float = 0.01,
@@ -225,7 +219,6 @@ class MixtureLoader:
 
 
 # ----- entry point -----
-DATASET_TYPES = ("llava_json", "text")
 
 
 def load_data_config(data_cfg) -> dict:

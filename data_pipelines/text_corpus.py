@@ -1,20 +1,5 @@
-"""Plain-text corpora as a map-style torch Dataset yielding `{"id", "text"}` records.
-
-* `.txt`  - the file is cut into chunks of at most `max_tokens` tokens at line boundaries
-  (greedy: whole lines are added while they fit; a single line longer than that is split at a
-  UTF-8 character boundary). Line lengths in tokens are ESTIMATED from bytes: bytes-per-token
-  is measured by tokenising ~2,000 evenly spaced lines with `tokenizer` (else `chars_per_token`)
-  and a 10% margin is added, so building the index takes milliseconds; `exact_counts=True`
-  tokenises every line instead (seconds for the 4.7 MB default corpus). Either way a chunk can
-  overflow by a few tokens; the collator truncates what still does not fit.
-* `.jsonl` - one document per line, `{"text": "..."}`; documents are not chunked (the collator
-  truncates to max_length).
-
-Bad bytes policy (documented choice): a chunk / line that is not valid UTF-8 is SKIPPED and
-counted as `non_utf8` (so is a JSONL text with a lone-surrogate escape such as "\\ud800");
-NUL bytes are CLEANED (removed) silently. Other reasons: `bad_json_line` (JSONL line that is not
-JSON, nested too deeply, or with an integer literal too long for Python), `missing_key` (no string "text"),
-`empty_text` (nothing but whitespace). Nothing raises mid-run.
+"""Plain-text corpora as a map-style torch Dataset yielding `{"id", "text"}` records or Skips
+(`.txt` cut into chunks at line boundaries; `.jsonl` one `{"text": ...}` document per line).
 """
 
 from __future__ import annotations
@@ -37,6 +22,15 @@ def _utf8_boundary(data: bytes, pos: int) -> int:
 
 
 class TextCorpusDataset(Dataset):
+    """`.txt`: chunks of at most `max_tokens` tokens, whole lines added while they fit (a longer line
+    is split at a UTF-8 character boundary). Line lengths are estimated from bytes: bytes per token is
+    measured on ~2,000 evenly spaced lines with `tokenizer` (else `chars_per_token`), plus a 10% margin,
+    so indexing takes milliseconds; `exact_counts=True` tokenises every line. A chunk can still
+    overflow by a few tokens; the collator truncates. `.jsonl` documents are not chunked.
+
+    A chunk / line that is not valid UTF-8 is a `non_utf8` Skip; NUL bytes are removed silently.
+    """
+
     def __init__(self, path: str, tokenizer=None, max_tokens: int = 512,
                  chars_per_token: float = 4.0, exact_counts: bool = False, name: str | None = None):
         self.path = str(path)

@@ -1,21 +1,7 @@
 """Tokenizer folders: train our small byte-level BPE, or wrap a real pretrained SentencePiece model.
 
-Both produce a standard Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json
-with the jinja chat template inline, special_tokens_map.json) that `AutoTokenizer.from_pretrained`
-loads offline, with our special tokens registered as special (never split):
-`<|pad|> <|endoftext|> <image> <im_start> <im_end> <|user|> <|assistant|> <|end|>`.
-
-`train_bpe_tokenizer` - byte-level BPE (GPT-2 style pre-tokenisation, all 256 bytes in the
-alphabet so nothing is ever unknown) trained with the `tokenizers` library; the 8 special tokens
-get ids 0..7 in the order above (pad = 0, eos = 1).
-
-`sentencepiece_tokenizer_folder` - turns a SentencePiece `.model` (e.g. the 32k Mistral-7B v1
-`tokenizer.model.v1` shipped inside `mistral-common`, see `mistral_sentencepiece_path`) into a
-LlamaTokenizer folder plus our special tokens (ids 32000..32007 for a 32k model). The vocabulary
-and merges are read through the `sentencepiece` library itself rather than transformers'
-protobuf-based converter (which breaks when the installed protobuf is older than the one
-sentencepiece's generated code wants); the result encodes text exactly like SentencePiece
-(checked in tests/test_processing.py).
+Both are standard Hugging Face folders (chat template inline) that `AutoTokenizer.from_pretrained`
+loads offline, with our special tokens registered as special (never split).
 """
 
 from __future__ import annotations
@@ -44,7 +30,11 @@ def save_tokenizer_folder(tokenizer, out_dir: str) -> str:
 
 
 def train_bpe_tokenizer(texts, out_dir: str, vocab_size: int = 2048):
-    """Train a byte-level BPE on an iterable of strings; save and return a PreTrainedTokenizerFast."""
+    """Train a byte-level BPE on an iterable of strings; save and return a PreTrainedTokenizerFast.
+
+    All 256 bytes are in the alphabet (nothing is ever unknown); the special tokens get ids 0..7 in
+    the order of `SPECIAL_TOKENS` (pad = 0, eos = 1).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +65,13 @@ def mistral_sentencepiece_path(name: str = "tokenizer.model.v1") -> str:
 
 
 def sentencepiece_tokenizer_folder(model_file: str, out_dir: str):
-    """Build a LlamaTokenizer folder (+ our special tokens) from a SentencePiece BPE model."""
+    """Build a LlamaTokenizer folder (+ our special tokens, ids 32000.. for a 32k model) from a
+    SentencePiece BPE model.
+
+    Vocabulary and merges are read through the `sentencepiece` library itself, not transformers'
+    protobuf-based converter (which breaks when the installed protobuf is older than the one
+    sentencepiece's generated code wants); the result encodes exactly like SentencePiece.
+    """
     import sentencepiece
     from transformers import LlamaTokenizer
     from transformers.tokenization_utils_base import generate_merges

@@ -1,27 +1,7 @@
 """WebDataset tar shards as a streaming (iterable) torch Dataset, split across ranks AND workers.
 
-A sample is a group of tar members sharing a key: one image (`.png/.jpg/.jpeg/.webp/.bmp`)
-plus either a caption `.txt` (turned into the one-turn conversation
-`<image>\\n{caption_prompt}` -> caption) or a `.json` holding LLaVA `{"conversations": [...]}`
-(or the bare list). Members are read with the `webdataset` library (`SimpleShardList` +
-`tarfile_to_samples`), streaming, one shard at a time.
-
-Splitting: shards are ordered (sorted, then shuffled per epoch with `seed + epoch` when
-`shuffle_shards`) identically everywhere; the R x W readers (R = world_size data-parallel
-ranks, W = DataLoader workers per rank) take shards `slot, slot + R*W, ...` with
-`slot = rank * W + worker_id`. Every shard - hence every sample - is read exactly once per
-epoch by exactly one reader (readers beyond the number of shards get nothing; use at least
-R x W shards). Call `set_epoch(e)` before each epoch.
-
-Bad data never raises: a truncated/corrupt shard yields one `Skip("corrupt_shard")`. A local
-shard without the tar end-of-archive marker (two zero blocks; Python's tarfile silently treats
-a cut at a member boundary as a clean end) is skipped whole before reading. A shard that fails
-while streaming keeps the samples read before the damage; the partial sample at the damage
-point and the rest of the shard are dropped. Per-sample reasons: `missing_image`, `corrupt_image`, `image_too_large`,
-`missing_key` (no caption/json), `non_utf8`, `bad_json_line`, `empty_conversation`, ...
-
-Records are the same as the other readers' (`{"id", "conversations", "images"}`); pass an
-`encoder` (e.g. `SampleEncoder`) to get encoded samples ready for a collator.
+Records are the other readers' (`{"id", "conversations", "images"}`, or a Skip; never raises); pass
+an `encoder` (e.g. `SampleEncoder`) to get encoded samples. Sample layout and skips: data_pipelines/README.md.
 """
 
 from __future__ import annotations
@@ -63,6 +43,16 @@ def has_end_marker(path: str) -> bool:
 
 
 class WebDatasetShards(IterableDataset):
+    """Shards are ordered identically everywhere (sorted, then shuffled per epoch with `seed + epoch`);
+    the R x W readers (R ranks, W DataLoader workers per rank) take shards `slot, slot + R*W, ...`
+    with `slot = rank * W + worker_id`, so every shard is read exactly once per epoch (use at least
+    R x W shards). Call `set_epoch(e)` before each epoch.
+
+    A local shard without the tar end-of-archive marker (Python's tarfile takes a cut at a member
+    boundary for a clean end) is skipped whole as `corrupt_shard`; a shard that fails while
+    streaming keeps the samples read before the damage.
+    """
+
     def __init__(self, urls, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle_shards: bool = True, caption_prompt: str = "Describe the image.",
                  max_image_pixels: int = DEFAULT_MAX_PIXELS, encoder=None, name: str = "webdataset",

@@ -1,20 +1,9 @@
 """Parquet files for the offline lmms-eval tasks, made from the embedded default data.
 
+``cmoe_digits_vqa`` / ``cmoe_digits_mc`` read them (the default data's test split, images embedded)
+through ``CMOE_DATA_DIR``.
+
     python -m eval_suites.build_tasks --data data/default --out data/default/eval   (idempotent)
-
-Reads ``<data>/digits_test.json`` (LLaVA format, made by ``python -m data_pipelines.default_data``)
-and the PNGs under ``<data>/images/``, and writes:
-
-* ``digits_vqa_test.parquet`` - one row per test record (540: 180 images x 3 questions):
-  ``id, image, question, answer, kind (digit|parity|plus_one), image_file``.
-* ``digits_mc_test.parquet``  - one row per test image (180): "What digit is this?" with the ten
-  digits as choices: ``id, image, question, choices ("0".."9"), answer, label (index), image_file``.
-* ``manifest.json``           - row counts, the sha256 of the source JSON and the builder version;
-  written last. A second run with the same source and version finds it and does nothing.
-
-``image`` uses the ``datasets`` Image feature with the PNG bytes embedded, so
-``load_dataset("parquet", ...)`` hands lmms-eval PIL images and the files are self-contained.
-The task YAMLs (``eval_suites/tasks/cmoe_digits``) find the files through ``CMOE_DATA_DIR``.
 """
 from __future__ import annotations
 
@@ -70,7 +59,12 @@ def is_current(data: str, out: str) -> bool:
 
 
 def build(data: str = "data/default", out: str | None = None, force: bool = False, quiet: bool = False) -> dict | None:
-    """Write the parquet files; return the manifest, or None when they were already current."""
+    """Write the parquet files; return the manifest, or None when they were already current.
+
+    ``digits_vqa_test.parquet``: one row per test record (id, image, question, answer, kind,
+    image_file); ``digits_mc_test.parquet``: one row per test image, "What digit is this?" with the
+    ten digits as choices; ``manifest.json`` (row counts, source sha256, builder version) last.
+    """
     say = (lambda *a: None) if quiet else print
     out = out or os.path.join(data, "eval")
     source = os.path.join(data, f"digits_{SPLIT}.json")

@@ -35,12 +35,3 @@ def checkpoint_problem(path: str, need_processor: bool = True, model_types=("con
         return f"no processor_config.json in {path} (export the processor with the model)"
     return None
 
-
-def local_task_names() -> set[str]:
-    """Task names defined by the YAMLs under eval_suites/tasks (plain text scan, no YAML tags needed)."""
-    names = set()
-    for yaml_path in TASKS_DIR.rglob("*.yaml"):
-        for line in yaml_path.read_text(encoding="utf-8").splitlines():
-            if line.startswith("task:"):
-                names.add(line.split(":", 1)[1].strip().strip("'\""))
-    return names

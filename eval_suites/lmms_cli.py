@@ -1,12 +1,5 @@
-"""The real lmms-eval CLI with ``conceptmoe_vlm`` registered in-process.
-
-    python -m eval_suites.lmms_cli --model conceptmoe_vlm --model_args ... --tasks ...
-
-Same arguments and behaviour as ``python -m lmms_eval``; used by ``eval_suites.run`` only when
-the ``lmms_eval.models`` entry point of this project is not installed (e.g. running from a
-source tree without ``pip install -e .``). With the entry point installed, ``python -m lmms_eval``
-finds the model by itself.
-"""
+"""The real lmms-eval CLI (same arguments as ``python -m lmms_eval``) with ``conceptmoe_vlm`` registered
+in-process: what ``eval_suites.run`` uses when this project's entry point is not installed."""
 from __future__ import annotations
 
 import sys

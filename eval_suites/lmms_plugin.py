@@ -1,61 +1,14 @@
 """lmms-eval model ``conceptmoe_vlm``: a ConceptMoE-VL checkpoint behind lmms-eval's ``lmms`` API.
 
-Registration: lmms-eval >= 0.6 reads the entry-point group ``lmms_eval.models``; each entry
-point must load to a ``ModelManifest``, an iterable of them, or a callable returning one
-(``MANIFEST`` here is such a callable, see its docstring). pyproject.toml has::
-
-    [project.entry-points."lmms_eval.models"]
-    conceptmoe_vlm = "eval_suites.lmms_plugin:MANIFEST"
-
-so after ``pip install -e .`` this works with an unmodified lmms-eval 0.7.x::
-
-    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m lmms_eval --model conceptmoe_vlm \\
-        --model_args pretrained=runs/train-vlm/hf,dtype=float32,device=cpu \\
-        --tasks cmoe_digits_vqa,cmoe_digits_mc --include_path eval_suites/tasks --output_path runs/eval/x
-
-Without the installed entry point, ``register()`` adds the manifest to the running registry.
-
-model_args (``key=value,...``): ``pretrained`` (HF export dir with config.json, model.safetensors
-and the processor files, or an already built ``ConceptMoEVLMForConditionalGeneration`` when the
-class is constructed in Python), ``processor`` (dir or ``ConceptMoEVLMProcessor``; defaults to
-``pretrained``), ``device`` (default cuda if available, else cpu), ``dtype`` (float32 | bfloat16 |
-float16 | auto), ``batch_size``, ``max_new_tokens`` (default when a task sets none, 32),
-``score_end_token`` (default true, see ``loglikelihood``).
-
-Prompts: the task's text is one user turn of our chat format; a task text without ``<image>``
-placeholders gets one ``<image>\\n`` per visual in front (the training format
-``<image>\\nWhat digit is this?``). Generation stops at ``<|end|>`` (and at any ``until`` string
-that is a single token); ``until`` strings are also cut from the decoded text.
-
-loglikelihood (multiple_choice tasks): lmms-eval's own ``ConfigurableTask.process_results``
-(0.6.x and 0.7.x alike) picks the answer with ``np.argmin`` of the first element of each result,
-since lmms-eval models return a *loss* there. We therefore return
-``(negative log-likelihood of the continuation, is_greedy)``: the most likely choice has the
-smallest value and wins. The NLL is summed over the continuation tokens plus, with
-``score_end_token`` (default), the closing ``<|end|>``, so "1" is scored as the whole answer
-"1", not as a prefix of "10". Note: ``acc_mutual_info`` (argmax of ll differences) is not
-meaningful with this sign convention; our tasks use ``acc``.
-
-Compatibility fix (lmms-eval 0.7, 0.7.1, 0.7.2, 0.7.3): ``lmms_eval.api.instance.
-unwrap_generation_output``, applied by the evaluator to EVERY result of every request type,
-turns anything that is not a string / GenerationResult / (str, meta) pair into ``str(output)``:
-a loglikelihood result ``(1.23, True)`` becomes the string ``"(1.23, True)"``, and
-``process_results`` then fails (``lls, is_greedy = zip(*results)`` over characters), so every
-multiple_choice / loglikelihood task crashes. ``apply_lmms_eval_compat()`` wraps that function
-so that (real number, bool) pairs pass through unchanged and everything else goes to the
-original. It is applied when this model is constructed (so only runs that use this model are
-touched), only when lmms-eval >= 0.7 is installed AND a probe shows the installed function
-really mangles such a pair (a fixed release is left alone). Idempotent.
+lmms-eval finds it through the entry point ``eval_suites.lmms_plugin:MANIFEST`` (pyproject.toml);
+``register()`` adds it to a running registry without one. Usage, model_args and how prompts and
+scores are built: eval_suites/README.md.
 """
 from __future__ import annotations
 
-import functools
 import json
-import numbers
 import os
-import sys
 import warnings
-from typing import Any
 
 MODEL_ID = "conceptmoe_vlm"
 CLASS_PATH = "eval_suites.lmms_plugin.ConceptMoEVLMEval"
@@ -76,12 +29,20 @@ def MANIFEST():
 
 
 # lmms-eval's abstract model base class; imported after MANIFEST on purpose (see its docstring)
-from lmms_eval.api.model import lmms
+from lmms_eval.api.model import lmms  # noqa: E402
 
-IMAGE_PLACEHOLDER = "<image>"
+from data_pipelines.collate import pad_token_lists  # noqa: E402
+from eval_suites.lmms_compat import apply_lmms_eval_compat  # noqa: E402
+from eval_suites.lmms_inputs import (  # noqa: E402
+    as_bool,
+    build_prompt,
+    check_checkpoint_dir,
+    flatten_visuals,
+    resolve_device,
+    resolve_dtype,
+)
 
 
-# ----- registration without the installed entry point -----
 def register() -> bool:
     """Add ``conceptmoe_vlm`` to the running lmms-eval registry (no-op when already there)."""
     from lmms_eval import models
@@ -94,168 +55,6 @@ def register() -> bool:
     models.MODEL_REGISTRY_V2.register_manifest(MANIFEST(), overwrite=True)
     models.AVAILABLE_MODELS[MODEL_ID] = CLASS_PATH.rsplit(".", 1)[-1]
     return True
-
-
-# ----- lmms-eval 0.7.x compatibility fix -----
-_COMPAT_MIN_VERSION = (0, 7)  # first release with unwrap_generation_output (0.6.x passes results as they are)
-KNOWN_AFFECTED_VERSIONS = ("0.7", "0.7.1", "0.7.2", "0.7.3")
-
-
-def _lmms_eval_version() -> tuple[int, ...] | None:
-    try:
-        from importlib.metadata import version
-
-        raw = version("lmms-eval")
-    except Exception:  # pragma: no cover
-        return None
-    parts = []
-    for piece in raw.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts) or None
-
-
-def is_loglikelihood_result(output: Any) -> bool:
-    """A ``(number, bool)`` pair as returned by ``loglikelihood`` (never a text result)."""
-    if not isinstance(output, (tuple, list)) or len(output) != 2:
-        return False
-    value, greedy = output
-    try:
-        import numpy as np
-
-        bool_types = (bool, np.bool_)
-    except ImportError:  # pragma: no cover
-        bool_types = (bool,)
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool_types)
-            and isinstance(greedy, bool_types))
-
-
-def _mangles_pairs(fn) -> bool:
-    try:
-        text, _ = fn((-1.5, True))
-    except Exception:
-        return False
-    return not (isinstance(text, (tuple, list)) and len(text) == 2 and float(text[0]) == -1.5)
-
-
-def apply_lmms_eval_compat() -> bool:
-    """Install the unwrap fix when (and only when) the installed lmms-eval needs it.
-
-    Returns True when the fix is active afterwards. Safe to call any number of times.
-    """
-    version = _lmms_eval_version()
-    if version is None or version < _COMPAT_MIN_VERSION:
-        return False
-    try:
-        from lmms_eval.api import instance
-    except ImportError:  # pragma: no cover
-        return False
-    original = getattr(instance, "unwrap_generation_output", None)
-    if original is None:
-        return False
-    if getattr(original, "_cmoe_compat", False):
-        _point_evaluator_at(original.__wrapped__, original)
-        return True
-    if not _mangles_pairs(original):
-        return False  # a fixed lmms-eval: leave it alone
-
-    @functools.wraps(original)
-    def unwrap_generation_output(output):
-        if is_loglikelihood_result(output):
-            return (float(output[0]), bool(output[1])), None
-        return original(output)
-
-    unwrap_generation_output._cmoe_compat = True
-    instance.unwrap_generation_output = unwrap_generation_output
-    _point_evaluator_at(original, unwrap_generation_output)
-    return True
-
-
-def _point_evaluator_at(original, patched) -> None:
-    """lmms_eval.evaluator imported the name at its import time; swap its global too."""
-    evaluator = sys.modules.get("lmms_eval.evaluator")
-    if evaluator is not None and getattr(evaluator, "unwrap_generation_output", None) is original:
-        evaluator.unwrap_generation_output = patched
-
-
-# ----- helpers -----
-def _as_bool(value) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "y", "on")
-    return bool(value)
-
-
-def _resolve_dtype(dtype, device: str):
-    import torch
-
-    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
-        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    key = str(dtype).lower().replace("torch.", "")
-    if key not in table:
-        raise ValueError(f"conceptmoe_vlm: unknown dtype {dtype!r} (float32, bfloat16, float16 or auto)")
-    return table[key]
-
-
-def _resolve_device(device) -> str:
-    import torch
-
-    if device is None or str(device).strip() in ("", "auto", "None"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    device = str(device)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"conceptmoe_vlm: device={device} but CUDA is not available (use device=cpu)")
-    return device
-
-
-def check_checkpoint_dir(path: str, need_processor: bool = True) -> None:
-    """Raise FileNotFoundError with one clear line when ``path`` is not a ConceptMoE-VL HF export."""
-    from eval_suites.common import checkpoint_problem
-
-    problem = checkpoint_problem(path, need_processor=need_processor)
-    if problem:
-        raise FileNotFoundError(problem)
-
-
-def _flatten_visuals(visuals) -> list:
-    from PIL import Image
-
-    out = []
-    stack = [visuals] if visuals is not None else []
-    while stack:
-        item = stack.pop(0)
-        if item is None:
-            continue
-        if isinstance(item, Image.Image):
-            out.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack = list(item) + stack
-        elif isinstance(item, str):
-            raise NotImplementedError(f"conceptmoe_vlm takes images only; got a path/video input {item!r}")
-        elif isinstance(item, dict):
-            raise NotImplementedError("conceptmoe_vlm takes images only; got an audio/dict input")
-        else:
-            raise TypeError(f"conceptmoe_vlm: unsupported visual of type {type(item).__name__}")
-    return out
-
-
-def build_prompt(context: str, num_images: int) -> str:
-    """The user-turn text: `<image>\\n` per image in front unless the text already places them."""
-    context = context or ""
-    placed = context.count(IMAGE_PLACEHOLDER)
-    if placed == 0:
-        return (IMAGE_PLACEHOLDER + "\n") * num_images + context
-    if placed != num_images:
-        raise ValueError(f"prompt has {placed} {IMAGE_PLACEHOLDER} placeholders but the doc has {num_images} images")
-    return context
 
 
 class ConceptMoEVLMEval(lmms):
@@ -276,11 +75,11 @@ class ConceptMoEVLMEval(lmms):
             warnings.warn(f"conceptmoe_vlm: ignoring unsupported model_args {sorted(ignored)}", stacklevel=2)
         apply_lmms_eval_compat()
 
-        self._device_str = _resolve_device(device)
+        self._device_str = resolve_device(device)
         if isinstance(pretrained, (str, os.PathLike)):
             path = os.fspath(pretrained)
             check_checkpoint_dir(path, need_processor=processor is None)
-            torch_dtype = _resolve_dtype(dtype, self._device_str)
+            torch_dtype = resolve_dtype(dtype, self._device_str)
             model = ConceptMoEVLMForConditionalGeneration.from_pretrained(path, dtype=torch_dtype)
             processor = processor if processor is not None else path
             self.pretrained = path
@@ -290,7 +89,7 @@ class ConceptMoEVLMEval(lmms):
             if processor is None:
                 raise ValueError("conceptmoe_vlm: pass processor=... together with a model object")
             if dtype not in (None, "auto"):
-                model = model.to(_resolve_dtype(dtype, self._device_str))
+                model = model.to(resolve_dtype(dtype, self._device_str))
         if isinstance(processor, (str, os.PathLike)):
             if not os.path.isfile(os.path.join(processor, "processor_config.json")):
                 raise FileNotFoundError(f"no processor_config.json in {processor} (export the processor with the model)")
@@ -306,7 +105,7 @@ class ConceptMoEVLMEval(lmms):
             batch_size = 8
         self.batch_size_per_gpu = max(1, int(batch_size))
         self.max_new_tokens = int(max_new_tokens)
-        self.score_end_token = _as_bool(score_end_token)
+        self.score_end_token = as_bool(score_end_token)
 
     # ----- lmms-eval surface -----
     @property
@@ -340,7 +139,7 @@ class ConceptMoEVLMEval(lmms):
     def _visuals(self, doc_to_visual, task, split, doc_id) -> list:
         if doc_to_visual is None:
             return []
-        return _flatten_visuals(doc_to_visual(self._doc(task, split, doc_id)))
+        return flatten_visuals(doc_to_visual(self._doc(task, split, doc_id)))
 
     def _pixel_values(self, images):
         pix = self.processor.preprocess_images(images) if images else None
@@ -380,8 +179,6 @@ class ConceptMoEVLMEval(lmms):
 
     def generate_batch(self, prompt_ids: list[list[int]], images: list[list], gen_kwargs: dict) -> list[str]:
         """Greedy / sampled continuations for already tokenised prompts (left-padded batch)."""
-        import torch
-
         gen = dict(gen_kwargs)
         until = gen.pop("until", None)
         if until is None:
@@ -393,7 +190,7 @@ class ConceptMoEVLMEval(lmms):
         max_new = int(gen.pop("max_new_tokens", None) or self.max_new_tokens)
         temperature = float(gen.pop("temperature", 0) or 0)
         # sampling needs temperature > 0; an explicit do_sample=false keeps it greedy (HF semantics)
-        do_sample = temperature > 0 and _as_bool(gen.pop("do_sample", True))
+        do_sample = temperature > 0 and as_bool(gen.pop("do_sample", True))
         top_p = gen.pop("top_p", None)
         top_p = 1.0 if top_p in (None, 0) else float(top_p)
         top_k = int(gen.pop("top_k", 0) or 0)
@@ -404,13 +201,12 @@ class ConceptMoEVLMEval(lmms):
             ids = self.tok_encode(s) if s else []
             if len(ids) == 1:
                 stop_ids.add(ids[0])
-        width = max(len(r) for r in prompt_ids)
         pad = self.chat.pad_id
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in prompt_ids], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompt_ids], dtype=torch.long)
+        input_ids, mask = pad_token_lists(prompt_ids, pad, "left", device=self.device)
+        width = input_ids.shape[1]
         flat = [img for row in images for img in row]
-        out = self._model.generate(input_ids=input_ids.to(self.device), pixel_values=self._pixel_values(flat),
-                                   attention_mask=mask.to(self.device), max_new_tokens=max_new,
+        out = self._model.generate(input_ids=input_ids, pixel_values=self._pixel_values(flat),
+                                   attention_mask=mask, max_new_tokens=max_new,
                                    do_sample=do_sample, temperature=temperature if do_sample else 1.0,
                                    top_p=top_p, top_k=top_k, eos_token_id=sorted(stop_ids), pad_token_id=pad)
         texts = []
@@ -425,7 +221,14 @@ class ConceptMoEVLMEval(lmms):
 
     # ----- loglikelihood -----
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        """``(negative log-likelihood, is_greedy)`` per request; see the module docstring for the sign."""
+        """``(negative log-likelihood, is_greedy)`` per request.
+
+        A loss, not a log-likelihood: lmms-eval's ``process_results`` picks the multiple-choice answer
+        with ``argmin`` of the first element, so the most likely choice must have the smallest value
+        (``acc_mutual_info``, which assumes the opposite sign, is not supported). With
+        ``score_end_token`` the closing ``<|end|>`` is scored too, so "1" is the whole answer "1",
+        not a prefix of "10".
+        """
         from tqdm import tqdm
 
         items = []
@@ -470,10 +273,8 @@ class ConceptMoEVLMEval(lmms):
             rows.append(self.chat.encode_prompt(build_prompt(prompt, len(images))) + cont)
             lengths.append(len(cont))
             flat.extend(images)
-        width = max(len(r) for r in rows)
-        pad = self.chat.pad_id
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=self.device)
+        input_ids, mask = pad_token_lists(rows, self.chat.pad_id, "left", device=self.device)
+        width = input_ids.shape[1]
         with torch.no_grad():
             logits = self._model(input_ids=input_ids, pixel_values=self._pixel_values(flat), attention_mask=mask).logits
         out = []

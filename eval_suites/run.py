@@ -1,30 +1,8 @@
 """``make eval``: score a checkpoint with the real lmms-eval CLI, offline, and check it really did.
 
-    python -m eval_suites.run --checkpoint runs/train-vlm/hf --tasks cmoe_digits_vqa,cmoe_digits_mc
-    python -m eval_suites.run --checkpoint DIR --tasks mme,pope --device cuda --dtype bfloat16 --batch-size 16
+    python -m eval_suites.run --checkpoint runs/train-vlm/hf --tasks cmoe_digits_vqa,cmoe_digits_mc [-- LMMS-EVAL ARGS]
 
-What it does:
-1. checks the checkpoint folder (config.json with model_type conceptmoe_vlm, *.safetensors,
-   processor_config.json): a broken path stops here with one line and exit code 2;
-2. for the local ``cmoe_*`` tasks, builds the parquet files if needed
-   (``eval_suites.build_tasks``: ``<data>/eval``, handed to the tasks as ``CMOE_DATA_DIR``);
-3. runs ``python -m lmms_eval --model conceptmoe_vlm --model_args pretrained=<ckpt>,dtype=..,device=..
-   --tasks .. --include_path eval_suites/tasks --output_path runs/eval/<name> --log_samples`` (or
-   ``python -m eval_suites.lmms_cli`` with the same arguments when the entry point is not installed) as a
-   subprocess with ``HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1`` (``--online`` leaves them unset),
-   streaming its output to the console and to ``runs/eval/<name>/lmms_eval.log``;
-4. lmms-eval's CLI exits 0 even when a task is unknown or the model crashed, so success is
-   decided here: the run must have written a ``*_results.json`` that holds every requested task
-   (a group counts through its subtasks). Otherwise exit code 1 with the reason (e.g. the
-   "Tasks not found" line). On success the results table is printed and the results file is
-   copied to ``runs/eval/<name>/results.json``.
-
-``--tasks-dir`` replaces the include folder (lmms-eval's CLI takes one; default eval_suites/tasks),
-``--eval-data`` the parquet folder. Extra lmms-eval arguments go after ``--``:
-``python -m eval_suites.run --checkpoint D --tasks T -- --verbosity DEBUG``.
-
-Exit codes: 0 results for every task; 1 lmms-eval produced no (complete) results; 2 bad
-arguments (checkpoint, missing default data).
+Exit codes: 0 results for every task; 1 lmms-eval produced no (complete) results; 2 bad arguments.
 """
 from __future__ import annotations
 
@@ -182,6 +160,11 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Check the checkpoint, build the local ``cmoe_*`` task data if needed, run lmms-eval (or
+    ``eval_suites.lmms_cli`` without the installed entry point) in a subprocess with the hub offline,
+    its output streamed to ``runs/eval/<name>/lmms_eval.log``, then require a ``*_results.json``
+    holding every requested task: lmms-eval's CLI exits 0 even when a task is unknown or the model
+    crashed. On success the results file is copied to ``runs/eval/<name>/results.json``."""
     args = parse_args(argv)
     problem = checkpoint_problem(args.checkpoint)
     if problem:

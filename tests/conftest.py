@@ -18,7 +18,7 @@ from vlm.modeling.hf import ConceptMoEForCausalLM  # noqa: E402
 PRESETS = ROOT / "configs" / "model"
 
 # The test models are tiny: intra-op threads only add synchronisation, and on a busy CPU OpenMP
-# spin-waiting made the model tests 10-40x slower. One thread keeps them fast and deterministic.
+# spin-waiting makes the model tests 10-40x slower. One thread keeps them fast and deterministic.
 torch.set_num_threads(1)
 
 

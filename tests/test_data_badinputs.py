@@ -7,7 +7,7 @@ import pytest
 from data_pipelines.chat_template import ChatTokenizer, TokenizationMismatch
 from data_pipelines.images import ImageTransform
 from data_pipelines.mixture import TooMuchBadData, build_loader
-from data_pipelines.testing import digit_record, tiny_tokenizer, write_image
+from _data_helpers import digit_record, tiny_tokenizer, write_image
 
 GOOD = 6
 

@@ -1,10 +1,11 @@
-"""Collators: padding, greedy packing (segment/position ids), truncation around image spans."""
+"""Collators: padding, greedy packing (segment/position ids), truncation around image spans; prompt padding."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data_pipelines.collate import PackingCollator, PadCollator, truncate_sample
+from data_pipelines.collate import PackingCollator, PadCollator, pad_token_lists, truncate_sample
 from data_pipelines.common import IGNORE_INDEX, Skip
 
 PAD, IM_START, IMAGE, IM_END = 0, 3, 2, 4
@@ -98,3 +99,14 @@ def test_truncation_never_splits_an_image_span(n_text, images, answer, max_lengt
     assert n_pix == n_spans
     if len(s["input_ids"]) > max_length:  # a truncated sample keeps at least one loss token
         assert (out["labels"][1:] != IGNORE_INDEX).any()
+
+
+def test_pad_token_lists_left_and_right():
+    ids, mask = pad_token_lists([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+    ids, mask = pad_token_lists([[5, 6, 7], [8]], pad_id=9, side="right")
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 9]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert pad_token_lists([], pad_id=0)[0].shape == (0, 0)
+    with pytest.raises(ValueError, match="padding_side"):
+        pad_token_lists([[1]], pad_id=0, side="middle")

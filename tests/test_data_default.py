@@ -10,7 +10,7 @@ from data_pipelines import default_data
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.common import IGNORE_INDEX, SPECIAL_TOKENS
 from data_pipelines.llava_json import LlavaJsonDataset
-from data_pipelines.testing import session_default_data
+from _data_helpers import session_default_data
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from data_pipelines.common import IGNORE_INDEX, Skip
 from data_pipelines.encode import SampleEncoder
 from data_pipelines.images import ImageTransform
 from data_pipelines.llava_json import LlavaJsonDataset
-from data_pipelines.testing import digit_record, tiny_tokenizer, write_image, write_llava
+from _data_helpers import digit_record, tiny_tokenizer, write_image, write_llava
 
 P = 3  # image tokens per image in these tests
 

@@ -9,7 +9,7 @@ import yaml
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.images import ImageTransform
 from data_pipelines.mixture import MixtureSchedule, RankBatchSampler, block_quotas, build_loader
-from data_pipelines.testing import digit_record, session_default_data, tiny_tokenizer, write_image, write_llava
+from _data_helpers import digit_record, session_default_data, tiny_tokenizer, write_image, write_llava
 
 
 @pytest.fixture(scope="module")

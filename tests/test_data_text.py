@@ -6,7 +6,7 @@ import pytest
 
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.common import IGNORE_INDEX, Skip
-from data_pipelines.testing import tiny_tokenizer
+from _data_helpers import tiny_tokenizer
 from data_pipelines.text_corpus import TextCorpusDataset
 
 LINES = [f"Line {i}: to be, or not to be, that is the question." for i in range(200)]

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from eval_suites.testing import (
+from _eval_helpers import (
     REPO,
     default_data_dir,
     session_checkpoint,

@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("lmms_eval")
 
-from eval_suites import lmms_plugin
-from eval_suites.testing import build_tiny_vlm, default_data_dir, session_eval_data
+from eval_suites import lmms_compat, lmms_plugin
+from eval_suites.lmms_inputs import build_prompt
+from _eval_helpers import build_tiny_vlm, default_data_dir, session_eval_data
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval_suites", "tasks")
 
@@ -90,7 +91,7 @@ def test_compat_fix_passes_loglikelihood_pairs_and_nothing_else():
     from lmms_eval import evaluator
     from lmms_eval.api import instance
 
-    assert lmms_plugin.apply_lmms_eval_compat() == lmms_plugin._mangles_pairs(
+    assert lmms_compat.apply_lmms_eval_compat() == lmms_compat._mangles_pairs(
         getattr(instance.unwrap_generation_output, "__wrapped__", instance.unwrap_generation_output))
     unwrap = instance.unwrap_generation_output
     if not getattr(unwrap, "_cmoe_compat", False):
@@ -105,7 +106,7 @@ def test_compat_fix_passes_loglikelihood_pairs_and_nothing_else():
     assert unwrap(["a", "b"]) == (["a", "b"], None)
     assert unwrap((True, False)) == original((True, False))  # a bool is not a score
     assert evaluator.unwrap_generation_output is unwrap
-    assert lmms_plugin.apply_lmms_eval_compat() is True
+    assert lmms_compat.apply_lmms_eval_compat() is True
     assert instance.unwrap_generation_output is unwrap  # idempotent: no double wrapping
 
 
@@ -116,11 +117,11 @@ def test_compat_fix_leaves_a_fixed_lmms_eval_alone(monkeypatch):
         return output, None
 
     monkeypatch.setattr(instance, "unwrap_generation_output", fixed)
-    assert lmms_plugin.apply_lmms_eval_compat() is False
+    assert lmms_compat.apply_lmms_eval_compat() is False
     assert instance.unwrap_generation_output is fixed
-    monkeypatch.setattr(lmms_plugin, "_lmms_eval_version", lambda: (0, 6, 1))
+    monkeypatch.setattr(lmms_compat, "_lmms_eval_version", lambda: (0, 6, 1))
     monkeypatch.setattr(instance, "unwrap_generation_output", lambda o: (str(o), None))
-    assert lmms_plugin.apply_lmms_eval_compat() is False  # versions before 0.7 never get it
+    assert lmms_compat.apply_lmms_eval_compat() is False  # versions before 0.7 never get it
 
 
 # ----- loglikelihood -----
@@ -206,11 +207,11 @@ def test_generate_until_batched_equals_single_and_cuts_until(plugin, data_dir):
 
 
 def test_prompt_placeholders():
-    assert lmms_plugin.build_prompt("Q?", 1) == "<image>\nQ?"
-    assert lmms_plugin.build_prompt("Q?", 0) == "Q?"
-    assert lmms_plugin.build_prompt("<image> and <image>: Q?", 2) == "<image> and <image>: Q?"
+    assert build_prompt("Q?", 1) == "<image>\nQ?"
+    assert build_prompt("Q?", 0) == "Q?"
+    assert build_prompt("<image> and <image>: Q?", 2) == "<image> and <image>: Q?"
     with pytest.raises(ValueError, match="placeholders"):
-        lmms_plugin.build_prompt("<image> Q?", 2)
+        build_prompt("<image> Q?", 2)
 
 
 def test_multi_round_is_not_supported(plugin):

@@ -2,33 +2,8 @@
 counted by the data loader with a named reason, or - where a user hands it over directly - refused
 with one clear line. Never a crash, never an `unexpected_error:*` skip, and the counts add up.
 
-Examples per test in the ``ci`` profile (``VLM_FUZZ_PROFILE=faults``: 8x each, random; see
-tests/_fuzz.py). One example is one generated input; the records / images / chunks inside it are
-each checked against the outcome the generator expects:
-
-    test_fuzz_llava_records          300  a JSON or JSONL file of 1-4 LLaVA records (~750 records)
-    test_fuzz_image_files            250  1-3 image files referenced by records (~500 images)
-    test_fuzz_webdataset_shards      150  a .tar shard of 1-4 samples, truncated or byte-flipped
-    test_fuzz_text_corpus            150  a .txt or .jsonl text corpus (NULs, bad UTF-8, ...)
-    test_fuzz_direct_conversations   100  a conversation handed to ChatTokenizer.encode_prompt
-    test_fuzz_direct_images          100  an in-memory PIL image of any mode / raw bytes given directly
-                                    ----
-                                    1050  generated cases in total
-
-The module prints the examples each test really ran at teardown (a terminal line
-"fuzz examples run [profile ci]: ...; total=1050").
-
-Decisions the tests pin down:
-* Decodable modes (1, L, LA, P, P + transparency, PA, RGB, RGBA, RGBX, CMYK, YCbCr, LAB, I, I;16,
-  I;16B, F) are converted to RGB and KEPT (alpha composited on white, 16-bit scaled by 1/257).
-* A turn text that is not a string (a number, a list of non-parts, null) is `missing_key`; a role
-  that is not one of the known strings (a number, a list, an unknown word) is `bad_role`.
-* JSON that Python refuses beyond syntax (nested too deeply, an integer literal over 4300 digits)
-  is `bad_json_line`; a lone-surrogate escape ("\\ud800") is `non_utf8` like raw invalid bytes.
-* Image headers claiming more than max_image_pixels are `image_too_large` without decoding; only
-  the dataset image formats are opened (a non-image is `corrupt_image`).
-* A text corpus that is valid UTF-8 never yields a `non_utf8` chunk (long lines split at character
-  boundaries); NUL bytes are removed from kept text.
+Example counts are in each test's ``examples(N)`` (``ci`` profile; ``VLM_FUZZ_PROFILE=faults``: 8x,
+random; tests/_fuzz.py); the counts really run are printed at teardown ("fuzz examples run ...").
 """
 from __future__ import annotations
 
@@ -52,7 +27,7 @@ from data_pipelines.common import SKIP_REASONS, Skip
 from data_pipelines.encode import SampleEncoder
 from data_pipelines.images import ImageTransform, load_image
 from data_pipelines.mixture import build_loader
-from data_pipelines.testing import tiny_tokenizer
+from _data_helpers import tiny_tokenizer
 from data_pipelines.webdataset_shards import WebDatasetShards, has_end_marker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:PIL.TiffImagePlugin")  # truncated TIFFs
@@ -337,6 +312,10 @@ def write_records(root, cases, as_json_list: bool) -> dict:
 @settings(FUZZ, max_examples=examples(300))
 @given(cases=st.lists(llava_case, min_size=1, max_size=4), as_json_list=st.booleans(), packing=st.booleans())
 def test_fuzz_llava_records(chat, work, cases, as_json_list, packing):
+    """A JSON or JSONL file of 1-4 LLaVA records. A turn text that is not a string is `missing_key`, a
+    role that is not a known string `bad_role`; JSON that Python refuses beyond syntax (nested too
+    deeply, an integer literal over 4300 digits) is `bad_json_line`; a lone-surrogate escape is
+    `non_utf8` like raw invalid bytes."""
     RUNS["llava_records"] += 1
     as_json_list = as_json_list and not any(isinstance(p, bytes) for p, _ in cases)
     dataset = write_records(work, cases, as_json_list)
@@ -400,6 +379,9 @@ def image_file(draw):
 @settings(FUZZ, max_examples=examples(250))
 @given(images=st.lists(image_file(), min_size=1, max_size=3))
 def test_fuzz_image_files(chat, work, images):
+    """1-3 image files referenced by records. Headers claiming more than max_image_pixels are
+    `image_too_large` without decoding; only the dataset image formats are opened (a non-image is
+    `corrupt_image`); every decodable mode is converted to RGB and kept."""
     RUNS["image_files"] += 1
     folder = work / "imgfuzz"
     folder.mkdir(exist_ok=True)
@@ -488,6 +470,7 @@ def read_shard(path, encoder, collator, check_end_marker: bool) -> list[tuple[st
 @given(members=shard_members(), fault=st.sampled_from(["truncate", "truncate", "truncate", "flip", "none"]),
        check_end_marker=st.booleans(), st_data=st.data())
 def test_fuzz_webdataset_shards(chat, work, members, fault, check_end_marker, st_data):
+    """A .tar shard of 1-4 samples, truncated or byte-flipped."""
     RUNS["webdataset_shards"] += 1
     data = tar_bytes(members)
     encoder = SampleEncoder(chat, ImageTransform(IMAGE_SIZE))
@@ -578,6 +561,8 @@ def chunk_expectation(raw: bytes) -> str:
 @given(fmt=st.sampled_from(["txt", "jsonl"]), lines=st.lists(text_line, max_size=10),
        jsonl=st.lists(jsonl_line(), min_size=1, max_size=6), final_newline=st.booleans())
 def test_fuzz_text_corpus(chat, work, fmt, lines, jsonl, final_newline):
+    """A .txt or .jsonl corpus: valid UTF-8 never yields a `non_utf8` chunk (long lines are split at
+    character boundaries); NUL bytes are removed from kept text."""
     RUNS["text_corpus"] += 1
     path = work / f"corpus.{fmt}"
     if fmt == "jsonl":

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.common import IGNORE_INDEX, SPECIAL_TOKENS
-from data_pipelines.testing import tiny_tokenizer
+from _data_helpers import tiny_tokenizer
 from data_pipelines.tokenizer_files import mistral_sentencepiece_path, sentencepiece_tokenizer_folder
 from vlm.processing import ConceptMoEVLMProcessor
 

@@ -161,7 +161,7 @@ def test_trust_pickle_lifts_exactly_our_refusal(pickle_only_checkpoint, monkeypa
 # ----- processor ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def processor_dir(tmp_path_factory):
-    from data_pipelines.testing import tiny_tokenizer
+    from _data_helpers import tiny_tokenizer
     from vlm.processing import ConceptMoEVLMProcessor
 
     root = tmp_path_factory.mktemp("proc")

@@ -3,7 +3,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_pipelines.testing import tiny_tokenizer, write_image
+from _data_helpers import tiny_tokenizer, write_image
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
 from vlm.processing import ConceptMoEVLMProcessor
 from vlm.visualize import PALETTE, concept_ids, draw, main

@@ -1,11 +1,5 @@
-"""Tiny random ConceptMoE-VL checkpoints for the evaluation tests (tests/test_eval_*.py).
-
-``make_tiny_checkpoint(out_dir, tokenizer_dir)`` writes an HF export like the trainer's
-``runs/<name>/hf/``: ``ConceptMoEVLMForConditionalGeneration.save_pretrained`` (config.json +
-model.safetensors) and ``ConceptMoEVLMProcessor.save_pretrained`` (tokenizer files +
-processor_config.json), from ``configs/model/vlm_tiny.yaml`` with the token ids and vocabulary
-size of the given tokenizer and seeded random weights. Idempotent (a ``.complete`` stamp).
-"""
+"""Test fixtures for the evaluation tests (tests/test_eval_*.py): tiny random ConceptMoE-VL checkpoints
+and the task data, made once per pytest session."""
 from __future__ import annotations
 
 import os
@@ -48,6 +42,8 @@ def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VL
 
 
 def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int = 0) -> str:
+    """An HF export like the trainer's ``runs/<name>/hf/`` (model + processor files) of a seeded
+    ``vlm_tiny.yaml`` model sized to the tokenizer. Idempotent (a ``.complete`` stamp)."""
     out_dir = str(out_dir)
     stamp = os.path.join(out_dir, ".complete")
     if os.path.isfile(stamp):
@@ -63,13 +59,13 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.Pat
     return out_dir
 
 
-# ----- pytest session helpers (shared by tests/test_eval_*.py through the session base temp dir) -----
+# ----- made once per pytest session, under its base temp dir -----
 def default_data_dir(tmp_path_factory) -> str:
     """The repo's built ``data/default`` (``make test`` builds it first), else a session-built copy."""
     repo_data = REPO / "data" / "default"
     if (repo_data / ".built").is_file() and (repo_data / "tokenizer").is_dir():
         return str(repo_data)
-    from data_pipelines.testing import session_default_data
+    from _data_helpers import session_default_data
 
     return session_default_data(tmp_path_factory)
 

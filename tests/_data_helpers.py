@@ -1,9 +1,5 @@
-"""Small builders shared by the data tests (tests/test_data_*.py, tests/test_processing.py).
-
-Everything is written into a caller-given folder (pytest's tmp_path), takes well under a second,
-and needs no network: a tiny byte-level BPE with our special tokens, PNG files in various PIL
-modes, LLaVA JSON/JSONL files, and the default dataset built once per test session.
-"""
+"""Test builders for data inputs: a tiny BPE tokenizer, images in any PIL mode, LLaVA JSON files, the
+default dataset (once per session). Fast and offline; everything goes into a caller-given folder."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ TINY_CORPUS = [
 
 def tiny_tokenizer(out_dir: str, with_specials: bool = True, vocab_size: int = 400):
     """A byte-level BPE trained on a few lines (with or without our special tokens)."""
-    from .tokenizer_files import train_bpe_tokenizer
+    from data_pipelines.tokenizer_files import train_bpe_tokenizer
 
     if with_specials:
         return train_bpe_tokenizer(TINY_CORPUS * 5, out_dir, vocab_size)
@@ -79,7 +75,7 @@ def write_llava(path: str, records, jsonl: bool = False) -> str:
 
 def session_default_data(tmp_path_factory) -> str:
     """The default dataset, built once per pytest session under the session's base temp dir."""
-    from .default_data import build
+    from data_pipelines.default_data import build
 
     out = str(tmp_path_factory.getbasetemp() / "default_data")
     build(out, quiet=True)  # idempotent: later calls find .built and return at once
