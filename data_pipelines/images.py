@@ -1,20 +1,8 @@
-"""Safe image loading and the model's image transform.
+"""Safe image loading (`load_image`, `to_rgb`) and `ImageTransform`, the model's image preprocessing.
 
-`load_image` never raises on bad data: it returns a PIL RGB image or a `Skip` with reason
-`missing_image`, `corrupt_image` (also: an empty file, not an image, truncated, a 0-pixel image, a
-format outside `IMAGE_FORMATS`) or `image_too_large`. The size guard reads only the image
-header (width x height) and refuses anything above `max_pixels` *before* decoding, so a
-decompression bomb never allocates its pixels.
-
-`to_rgb` maps every PIL mode we meet in the wild to 8-bit RGB:
-L/1 -> replicated gray; LA/RGBA/PA and P with transparency -> alpha-composited on white;
-CMYK/YCbCr/LAB/HSV -> PIL's conversion; I;16* (16-bit, or mode I with values > 255) -> divided
-by 257 (0..65535 -> 0..255); other I / F -> clipped to 0..255 (NaN -> 0, +-inf -> 255 / 0).
-Every decodable mode is converted and kept (what LLaVA users expect), none is skipped.
-
-`ImageTransform` is the model-side preprocessing: RGB -> Resize(image_size x image_size,
-bicubic or nearest) -> ToTensor -> Normalize(mean, std). It is a plain picklable class so
-DataLoader workers can use it.
+`load_image` returns a PIL RGB image or a `Skip` (`missing_image`, `corrupt_image`, `image_too_large`:
+the pixel limit is checked on the header, before decoding); `to_rgb` maps every PIL mode to 8-bit RGB.
+`ImageTransform` is built by the vision backbone (`VisionEncoder.image_transform()`).
 """
 
 from __future__ import annotations
@@ -46,7 +34,12 @@ def _open_formats() -> list[str]:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert any PIL image to 8-bit RGB (see module docstring for the per-mode rules)."""
+    """Convert any PIL image to 8-bit RGB, keeping every decodable mode.
+
+    L/1 -> replicated gray; LA/RGBA/PA and P with transparency -> alpha-composited on white;
+    CMYK/YCbCr/LAB/HSV -> PIL's conversion; I;16* (16-bit, or mode I with values > 255) -> divided
+    by 257; other I / F -> clipped to 0..255 (NaN -> 0, +-inf -> 255 / 0).
+    """
     mode = image.mode
     if mode == "RGB":
         return image
@@ -72,7 +65,12 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?"):
-    """Open a path or raw bytes as RGB; return the image or a Skip (never raises on bad data)."""
+    """Open a path or raw bytes as RGB; return the image or a Skip (never raises on bad data).
+
+    Skip reasons: `missing_image`; `corrupt_image` (empty file, not an image, truncated, 0 pixels,
+    a format outside `IMAGE_FORMATS`); `image_too_large` (width x height > `max_pixels`, read from
+    the header, so a decompression bomb never allocates its pixels).
+    """
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             return Skip("missing_image", sample_id, str(source))
@@ -100,27 +98,43 @@ def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?
         return Skip("corrupt_image", sample_id, f"{type(err).__name__}: {err}")
 
 
+RESAMPLE_MODES = {"bicubic": transforms.InterpolationMode.BICUBIC,
+                  "nearest": transforms.InterpolationMode.NEAREST,
+                  "bilinear": transforms.InterpolationMode.BILINEAR}
+
+
 class ImageTransform:
-    """PIL image -> normalised Float[3, image_size, image_size] tensor."""
+    """PIL image (any mode) -> normalised Float[3, image_size, image_size].
+
+    to_rgb -> Resize((image_size, image_size), resample, antialias) -> ToTensor -> Normalize(mean, std).
+    A plain picklable class, so DataLoader workers can use it; `settings()` is what a processor saves.
+    """
 
     def __init__(self, image_size: int = 224, image_mean=(0.5, 0.5, 0.5),
                  image_std=(0.5, 0.5, 0.5), resample: str = "bicubic"):
-        modes = {"bicubic": transforms.InterpolationMode.BICUBIC,
-                 "nearest": transforms.InterpolationMode.NEAREST,
-                 "bilinear": transforms.InterpolationMode.BILINEAR}
-        if resample not in modes:
-            raise ValueError(f"resample must be one of {sorted(modes)}, got {resample!r}")
+        if resample not in RESAMPLE_MODES:
+            raise ValueError(f"resample must be one of {sorted(RESAMPLE_MODES)}, got {resample!r}")
         self.image_size, self.resample = int(image_size), resample
         self.image_mean, self.image_std = list(image_mean), list(image_std)
         self.transform = transforms.Compose([
-            transforms.Resize((self.image_size, self.image_size), interpolation=modes[resample],
+            transforms.Resize((self.image_size, self.image_size), interpolation=RESAMPLE_MODES[resample],
                               antialias=True),
             transforms.ToTensor(),
             transforms.Normalize(self.image_mean, self.image_std),
         ])
 
+    def settings(self) -> dict:
+        """The constructor arguments: ``ImageTransform(**t.settings())`` is the same transform."""
+        return {"image_size": self.image_size, "image_mean": list(self.image_mean),
+                "image_std": list(self.image_std), "resample": self.resample}
+
     def __call__(self, image: Image.Image):
         return self.transform(to_rgb(image))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ImageTransform) and self.settings() == other.settings()
+
+    __hash__ = None
 
     def __repr__(self) -> str:
         return (f"ImageTransform(image_size={self.image_size}, resample={self.resample!r}, "

@@ -110,3 +110,29 @@ def test_chat_tokenizer_on_mistral_tokenizer(mistral_dir):
     batch = processor(text=[CONV[:1], "Hi"], images=[gray(9)])
     assert batch["input_ids"].shape[0] == 2 and batch["pixel_values"].shape == (1, 3, 8, 8)
     assert np.isclose(batch["pixel_values"].mean().item(), (9 / 255 - 0.5) / 0.5, atol=1e-3)
+
+
+def test_processor_uses_the_backbone_transform(tmp_path):
+    """for_model takes the vision tower's own transform; saving and loading keeps it and its pixels."""
+    from data_pipelines.images import ImageTransform
+    from vision_encoders import VisionEncoderConfig, build_vision_encoder
+
+    class Model:  # what for_model reads off a VLM
+        num_image_tokens = 4
+        vision = build_vision_encoder(VisionEncoderConfig(
+            backbone="tiny-vit", model_kwargs={"pretrained_cfg_overlay": {"mean": (0.1, 0.2, 0.3)}}))
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    processor = ConceptMoEVLMProcessor.for_model(tok, Model)
+    assert processor.image_transform == Model.vision.image_transform()
+    assert processor.num_image_tokens == 4 and processor.image_size == 16
+    image = Image.fromarray(((np.arange(9 * 13 * 3).reshape(9, 13, 3) * 29) % 256).astype(np.uint8))
+    expected = Model.vision.image_transform()(image)
+    assert torch.equal(processor.preprocess_images([image])[0], expected)
+    loaded = ConceptMoEVLMProcessor.from_pretrained(processor.save_pretrained(str(tmp_path / "p")))
+    assert loaded.image_transform == processor.image_transform
+    assert torch.equal(loaded.preprocess_images(image)[0], expected)
+    other = ImageTransform(8)
+    assert ConceptMoEVLMProcessor.from_pretrained(str(tmp_path / "p"), image_transform=other).image_transform == other
+    with pytest.raises(ValueError, match="not both"):
+        ConceptMoEVLMProcessor(tok, 4, other, image_size=16)

@@ -1,4 +1,4 @@
-"""Vision encoders: shapes, preprocessing, and feature equality with timm / open_clip themselves.
+"""Vision encoders: shapes, the backbone's image transform, and feature equality with timm / open_clip.
 
 Every weight file is written by the test into tmp_path; nothing is downloaded.
 """
@@ -13,7 +13,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
+from torchvision import transforms
 
+from data_pipelines.images import ImageTransform, to_rgb
 from vision_encoders import VISION_BACKBONES, VisionEncoderConfig, build_vision_encoder, register_vision_backbone
 from vision_encoders.open_clip_vit import OpenClipViTEncoder
 from vision_encoders.timm_vit import TimmViTEncoder
@@ -63,25 +65,70 @@ def _features(encoder, pixel_values_BCHW):
         return encoder.eval()(pixel_values_BCHW)
 
 
+def _pattern_image():
+    """A non-square RGBA picture with varied pixels and alpha (exercises to_rgb and the resize)."""
+    return Image.fromarray(((np.arange(20 * 11 * 4).reshape(20, 11, 4) * 37) % 256).astype(np.uint8), "RGBA")
+
+
+def _reference_pixels(image, size, mean, std):
+    """The preprocessing as the pipeline spelled it out before the encoder owned it."""
+    return transforms.Compose([
+        transforms.Resize((size, size), interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
+        transforms.ToTensor(),
+        transforms.Normalize(mean, std),
+    ])(to_rgb(image))
+
+
 def test_tiny_vit_shapes_and_transform(digit_images):
     encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
     assert (encoder.image_size, encoder.patch_grid, encoder.num_patches, encoder.embed_dim) == (16, (4, 4), 16, 64)
 
-    image_CHW = encoder.transform(digit_images[0])
+    transform = encoder.image_transform()
+    assert isinstance(transform, ImageTransform) and transform == ImageTransform(16, [0.5] * 3, [0.5] * 3, "bicubic")
+    image_CHW = transform(digit_images[0])
     assert digit_images[0].size == (8, 8) and digit_images[0].mode == "L"
     assert image_CHW.shape == (3, 16, 16) and image_CHW.dtype == torch.float32
     assert torch.equal(image_CHW[0], image_CHW[1])  # grayscale replicated to RGB
 
-    pixel_values_BCHW = encoder.preprocess(digit_images)
-    assert pixel_values_BCHW.shape == (3, 3, 16, 16)
+    pixel_values_BCHW = torch.stack([transform(image) for image in digit_images])
     features_BPD = _features(encoder, pixel_values_BCHW)
     assert features_BPD.shape == (3, 16, 64) and features_BPD.dtype == torch.float32
 
 
 def test_transform_normalizes_with_backbone_stats():
     encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))  # timm mean = std = 0.5
-    white_CHW = encoder.transform(Image.new("L", (8, 8), 255))
+    white_CHW = encoder.image_transform()(Image.new("L", (8, 8), 255))
     assert torch.allclose(white_CHW, torch.ones(3, 16, 16))
+
+
+# (backbone, image) -> float64 sum of the pixel values the preprocessing produced before this API
+# (data_pipelines.images.ImageTransform configured from the encoder by the trainer).
+GOLDEN_PIXEL_SUMS = {
+    ("tiny", "digit"): -316.8470513820648, ("tiny", "pattern"): 360.6274744272232,
+    ("clip", "digit"): -445.9676038266625, ("clip", "pattern"): 814.8372442852706,
+}
+
+
+def test_image_transform_pixels_unchanged(digit_images, tiny_clip_name):
+    tiny = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
+    clip = build_vision_encoder(VisionEncoderConfig(backbone="open_clip", model_name=tiny_clip_name))
+    clip_mean, clip_std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    assert clip.image_transform() == ImageTransform(16, clip_mean, clip_std, "bicubic")
+    for backbone, encoder, mean, std in [("tiny", tiny, [0.5] * 3, [0.5] * 3), ("clip", clip, clip_mean, clip_std)]:
+        for name, image in [("digit", digit_images[0]), ("pattern", _pattern_image())]:
+            pixels_CHW = encoder.image_transform()(image)
+            assert torch.equal(pixels_CHW, _reference_pixels(image, 16, mean, std)), (backbone, name)
+            assert float(pixels_CHW.double().sum()) == pytest.approx(GOLDEN_PIXEL_SUMS[backbone, name], abs=1e-4)
+
+
+def test_image_transform_follows_the_library_settings():
+    overlay = {"pretrained_cfg_overlay": {"interpolation": "bilinear", "mean": (0.1, 0.2, 0.3)}}
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", image_size=32, model_kwargs=overlay))
+    assert encoder.image_transform() == ImageTransform(32, [0.1, 0.2, 0.3], [0.5] * 3, "bilinear")
+    lanczos = {"pretrained_cfg_overlay": {"interpolation": "lanczos"}}  # not an ImageTransform mode
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", model_kwargs=lanczos))
+    assert encoder.image_transform().resample == "bicubic"
+    assert encoder.image_transform() is not encoder.image_transform()  # callers may not share mutable state
 
 
 def test_keep_cls_and_image_size_override():

@@ -1,9 +1,9 @@
-"""Vision encoders (timm / open_clip ViTs, local weights only) and the vision-to-LM projector.
+"""Vision encoders (timm / open_clip ViTs, local weights only), their image transform, and the projector.
 
-    cfg = VisionEncoderConfig(backbone="tiny-vit")
-    encoder = build_vision_encoder(cfg)                      # pixels [B,3,H,W] -> features [B,P,D]
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))  # pixels [B,3,H,W] -> [B,P,D]
+    transform = encoder.image_transform()                                      # PIL image -> [3,H,W]
     projector = build_projector(ProjectorConfig(), encoder.embed_dim, lm_dim, encoder.patch_grid)
-    tokens_BQd = projector(encoder(encoder.preprocess(images)))
+    tokens_BQd = projector(encoder(torch.stack([transform(im) for im in images])))
 """
 
 from vision_encoders.base import VisionEncoder, VisionEncoderConfig

@@ -1,15 +1,8 @@
-"""Vision encoder contract: config, abstract module and the local-weights policy.
+"""Vision encoder contract: config, abstract module, its image preprocessing and the weights policy.
 
-A vision encoder maps ``pixel_values_BCHW`` (already preprocessed by its own
-``transform``) to patch features ``features_BPD``. Patches come in raster
-(row-major) order over ``patch_grid``; with ``keep_cls`` the CLS token is put in
-front, so ``P = grid_h * grid_w + keep_cls``. Register/distillation tokens are
-always dropped.
-
-Weights only ever come from a local file (``VisionEncoderConfig.pretrained``);
-nothing here downloads from a hub. ``pretrained=None`` is an explicit random init.
-Files other than ``.safetensors`` are torch pickles and are refused unless
-``trust_pickle=True`` (they are then read with ``torch.load(weights_only=True)``).
+An encoder maps ``pixel_values_BCHW`` (made by ``encoder.image_transform()``) to patch features
+``features_BPD`` in raster order over ``patch_grid``, the CLS token in front if ``keep_cls``.
+Weights come only from a local file (``pretrained``); non-safetensors files need ``trust_pickle``.
 """
 
 from __future__ import annotations
@@ -17,13 +10,12 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import torch
-from PIL import Image
 from torch import nn
-from torchvision import transforms as T
+
+from data_pipelines.images import RESAMPLE_MODES, ImageTransform
 
 FEATURE_LAYERS = ("last", "penultimate")
 SAFE_WEIGHT_SUFFIX = ".safetensors"
@@ -102,12 +94,34 @@ def resolve_weights(cfg: VisionEncoderConfig, required: bool) -> Path | None:
     return path
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    return image.convert("RGB")
+def resolve_backbone(
+    cfg: VisionEncoderConfig, model_name: str | None, model_kwargs: dict | None, requires_weights: bool
+) -> tuple[str, Path | None, dict]:
+    """Shared start of every backend: (library model name, local weights or None, constructor kwargs).
+
+    The preset's ``model_kwargs`` are overridden key by key by ``cfg.model_kwargs``.
+    """
+    name = resolve_model_name(cfg, model_name)
+    weights = resolve_weights(cfg, required=requires_weights)
+    return name, weights, {**(model_kwargs or {}), **cfg.model_kwargs}
+
+
+def check_tower(cfg: VisionEncoderConfig, name: str, num_blocks: int, image_hw) -> int:
+    """Shared checks on a built tower (enough blocks for ``feature_layer``, square input); the image size."""
+    if cfg.feature_layer == "penultimate" and num_blocks < 2:
+        raise ValueError(f"vision.feature_layer='penultimate' needs at least 2 blocks, {name!r} has {num_blocks}")
+    image_h, image_w = image_hw
+    if image_h != image_w:
+        raise ValueError(f"vision: only square inputs are supported, {name!r} takes {image_h}x{image_w}")
+    return int(image_h)
 
 
 class VisionEncoder(nn.Module, abc.ABC):
-    """Base class: holds the geometry and preprocessing; backends implement ``forward_tokens``."""
+    """Base class: holds the geometry and the image transform; backends implement ``forward_tokens``.
+
+    ``image_mean`` / ``image_std`` / ``interpolation`` are the library's preprocessing settings for
+    the model; an interpolation ``ImageTransform`` lacks (e.g. lanczos) resizes bicubic.
+    """
 
     def __init__(
         self,
@@ -128,9 +142,12 @@ class VisionEncoder(nn.Module, abc.ABC):
         self._image_size = image_size
         self._patch_grid = tuple(patch_grid)
         self._embed_dim = embed_dim
-        self._image_mean = tuple(image_mean)
-        self._image_std = tuple(image_std)
-        self._interpolation = interpolation
+        self._transform_settings = {
+            "image_size": image_size,
+            "image_mean": [float(v) for v in image_mean],
+            "image_std": [float(v) for v in image_std],
+            "resample": interpolation if interpolation in RESAMPLE_MODES else "bicubic",
+        }
 
     @property
     def image_size(self) -> int:
@@ -150,20 +167,12 @@ class VisionEncoder(nn.Module, abc.ABC):
     def embed_dim(self) -> int:
         return self._embed_dim
 
-    @cached_property
-    def transform(self) -> T.Compose:
-        """PIL image -> FloatTensor[3, image_size, image_size], normalized for this backbone."""
-        size = self._image_size
-        return T.Compose([
-            T.Lambda(_to_rgb),
-            T.Resize((size, size), interpolation=T.InterpolationMode(self._interpolation)),
-            T.ToTensor(),
-            T.Normalize(self._image_mean, self._image_std),
-        ])
+    def image_transform(self) -> ImageTransform:
+        """The preprocessing this backbone expects: PIL image -> Float[3, image_size, image_size].
 
-    def preprocess(self, images: list[Image.Image]) -> torch.Tensor:
-        """A list of PIL images -> FloatTensor[N, 3, image_size, image_size]."""
-        return torch.stack([self.transform(image) for image in images])
+        The one transform of the project: training data, evaluation and the processor all use it.
+        """
+        return ImageTransform(**self._transform_settings)
 
     @abc.abstractmethod
     def forward_tokens(self, pixel_values_BCHW: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -1,13 +1,4 @@
-"""The vision tower of any open_clip ViT model as a patch-feature encoder.
-
-The full CLIP model is built with ``open_clip.create_model(name, pretrained=path)``
-(a local, full open_clip checkpoint: image and text towers, loaded strictly by
-open_clip's own loader), then only ``.visual`` is kept. Features come from
-``VisionTransformer.forward_intermediates``: "last" is the final block after
-``ln_post`` (the tokens open_clip returns with ``output_tokens=True``),
-"penultimate" the raw output of the second-to-last block. open_clip ViTs have
-exactly one prefix token, the CLS token.
-"""
+"""The vision tower of an open_clip ViT as a patch-feature encoder (local full-CLIP checkpoints only)."""
 
 from __future__ import annotations
 
@@ -15,10 +6,17 @@ import open_clip
 import torch
 from open_clip.transformer import VisionTransformer
 
-from vision_encoders.base import VisionEncoder, VisionEncoderConfig, resolve_model_name, resolve_weights
+from vision_encoders.base import VisionEncoder, VisionEncoderConfig, check_tower, resolve_backbone
 
 
 class OpenClipViTEncoder(VisionEncoder):
+    """``.visual`` of ``open_clip.create_model(name, pretrained=<local file>)``.
+
+    The checkpoint is a full CLIP model (image and text towers) loaded strictly by open_clip. Features
+    come from ``forward_intermediates``: "last" is the final block after ``ln_post`` (the tokens of
+    ``output_tokens=True``), "penultimate" the raw second-to-last block. The one prefix token is CLS.
+    """
+
     def __init__(
         self,
         cfg: VisionEncoderConfig,
@@ -27,11 +25,9 @@ class OpenClipViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
-        name = resolve_model_name(cfg, model_name)
+        name, weights, kwargs = resolve_backbone(cfg, model_name, model_kwargs, requires_weights)
         if name not in open_clip.list_models():
             raise ValueError(f"vision.model_name {name!r} is not an open_clip model config")
-        weights = resolve_weights(cfg, required=requires_weights)
-        kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
         clip = open_clip.create_model(
             name,
             pretrained=None if weights is None else str(weights),
@@ -43,16 +39,12 @@ class OpenClipViTEncoder(VisionEncoder):
         if not isinstance(visual, VisionTransformer):
             raise ValueError(f"vision.model_name {name!r} has no open_clip ViT tower (got {type(visual).__name__})")
         num_blocks = len(visual.transformer.resblocks)
-        if cfg.feature_layer == "penultimate" and num_blocks < 2:
-            raise ValueError(f"vision.feature_layer='penultimate' needs at least 2 blocks, {name!r} has {num_blocks}")
-        image_h, image_w = visual.image_size
-        if image_h != image_w:
-            raise ValueError(f"vision: only square inputs are supported, {name!r} takes {image_h}x{image_w}")
+        image_size = check_tower(cfg, name, num_blocks, visual.image_size)
 
         preprocess_cfg = visual.preprocess_cfg
         super().__init__(
             cfg,
-            image_size=image_h,
+            image_size=image_size,
             patch_grid=visual.grid_size,
             embed_dim=visual.transformer.width,
             has_cls_token=True,

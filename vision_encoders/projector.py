@@ -1,14 +1,4 @@
-"""Projector: vision patch features [B, P, D] -> language-model tokens [B, Q, d].
-
-kind:  "linear" (one Linear) or "mlp2x_gelu" (Linear -> GELU -> Linear, as in LLaVA-1.5).
-merge: "none" keeps one token per patch (Q = P); "pixel_shuffle2x2" concatenates
-       each 2x2 neighbourhood of the patch grid into one token of 4*D channels
-       before the projection (Q = P / 4). Channel order inside a merged token is
-       (top-left, top-right, bottom-left, bottom-right). The grid must be even,
-       and a CLS token cannot be merged: combining merge with vision.keep_cls is an error.
-
-Tokens stay in raster (row-major) order over ``output_grid`` (the grid after merging).
-"""
+"""Projector: vision patch features [B, P, D] -> language-model tokens [B, Q, d], optionally 2x2-merged."""
 
 from __future__ import annotations
 
@@ -23,6 +13,13 @@ PROJECTOR_MERGES = ("none", "pixel_shuffle2x2")
 
 @dataclass
 class ProjectorConfig:
+    """kind:  "linear" (one Linear) or "mlp2x_gelu" (Linear -> GELU -> Linear, as in LLaVA-1.5).
+    merge: "none" keeps one token per patch (Q = P); "pixel_shuffle2x2" concatenates each 2x2
+           neighbourhood of the (even) patch grid into one token of 4*D channels, ordered top-left,
+           top-right, bottom-left, bottom-right, before the projection (Q = P / 4). A CLS token cannot
+           be merged. Tokens stay in raster order over ``Projector.output_grid``.
+    """
+
     kind: str = "mlp2x_gelu"
     merge: str = "none"
 

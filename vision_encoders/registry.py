@@ -1,10 +1,7 @@
-"""Registry of vision backbones: id -> (encoder class, constructor kwargs).
+"""Registry of vision backbones: id -> (encoder class, constructor kwargs); ``build_vision_encoder``.
 
-``build_vision_encoder(cfg)`` looks up ``cfg.backbone`` and calls
-``cls(cfg, **kwargs)``. Preset kwargs are ``model_name`` (the library's model
-name; ``cfg.model_name`` overrides it), ``model_kwargs`` (library constructor
-kwargs; ``cfg.model_kwargs`` overrides them key by key) and ``requires_weights``
-(presets of big pretrained models refuse a random init).
+Preset kwargs: ``model_name`` (``cfg.model_name`` overrides it), ``model_kwargs`` (``cfg.model_kwargs``
+overrides them key by key) and ``requires_weights`` (big pretrained presets refuse a random init).
 """
 
 from __future__ import annotations

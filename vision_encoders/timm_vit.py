@@ -1,23 +1,22 @@
-"""Any timm Vision Transformer as a patch-feature encoder.
-
-The model is built with ``timm.create_model(name, num_classes=0, **kwargs)``;
-local weights go through timm's own loader (``pretrained_cfg_overlay=dict(file=...)``),
-so timm's checkpoint filters still apply (classifier removal, position-embedding
-resampling for a changed ``img_size``). "last" is what ``forward_features``
-returns (final block, final norm); "penultimate" is the raw output of the
-second-to-last block, from ``forward_intermediates``. Of the prefix tokens only
-the CLS token can be kept; register tokens are dropped.
-"""
+"""Any timm Vision Transformer as a patch-feature encoder (local weights through timm's own loader)."""
 
 from __future__ import annotations
 
 import timm
 import torch
 
-from vision_encoders.base import VisionEncoder, VisionEncoderConfig, resolve_model_name, resolve_weights
+from vision_encoders.base import VisionEncoder, VisionEncoderConfig, check_tower, resolve_backbone
 
 
 class TimmViTEncoder(VisionEncoder):
+    """``timm.create_model(name, num_classes=0, **kwargs)``.
+
+    Local weights go through timm's loader (``pretrained_cfg_overlay=dict(file=...)``), so its
+    checkpoint filters apply (classifier removal, position-embedding resampling for a new ``img_size``).
+    "last" is ``forward_features`` (final block and norm), "penultimate" the raw second-to-last block.
+    Of the prefix tokens only CLS can be kept; register tokens are dropped.
+    """
+
     def __init__(
         self,
         cfg: VisionEncoderConfig,
@@ -26,9 +25,7 @@ class TimmViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
-        name = resolve_model_name(cfg, model_name)
-        weights = resolve_weights(cfg, required=requires_weights)
-        kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
+        name, weights, kwargs = resolve_backbone(cfg, model_name, model_kwargs, requires_weights)
         if cfg.image_size is not None:
             kwargs["img_size"] = cfg.image_size
         if weights is not None:
@@ -37,16 +34,12 @@ class TimmViTEncoder(VisionEncoder):
         model = timm.create_model(name, num_classes=0, **kwargs)
         if not all(hasattr(model, attr) for attr in ("patch_embed", "blocks", "forward_intermediates")):
             raise ValueError(f"vision.model_name {name!r} is not a timm Vision Transformer")
-        if cfg.feature_layer == "penultimate" and len(model.blocks) < 2:
-            raise ValueError(f"vision.feature_layer='penultimate' needs at least 2 blocks, {name!r} has {len(model.blocks)}")
-        image_h, image_w = model.patch_embed.img_size
-        if image_h != image_w:
-            raise ValueError(f"vision: only square inputs are supported, {name!r} takes {image_h}x{image_w}")
+        image_size = check_tower(cfg, name, len(model.blocks), model.patch_embed.img_size)
 
         data_cfg = model.pretrained_cfg
         super().__init__(
             cfg,
-            image_size=image_h,
+            image_size=image_size,
             patch_grid=model.patch_embed.grid_size,
             embed_dim=model.embed_dim,
             has_cls_token=bool(model.has_class_token),

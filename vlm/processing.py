@@ -1,23 +1,6 @@
-"""ConceptMoEVLMProcessor: tokenizer + image preprocessing + chat format, saved as plain files.
+"""ConceptMoEVLMProcessor: tokenizer + the vision backbone's image transform + chat format.
 
-A plain class with the surface of a Hugging Face processor (not a ProcessorMixin: that expects
-a registered image-processor class and pickles nothing we need):
-
-    processor = ConceptMoEVLMProcessor(tokenizer, num_image_tokens=16, image_size=32)
-    batch = processor(text=["<image>\\nWhat digit is this?"], images=[img])   # generation prompts
-    batch -> {"input_ids": Long[B,T], "attention_mask": Long[B,T], "pixel_values": Float[N,3,H,W]|None}
-    processor.batch_decode(generated_ids)
-    processor.save_pretrained(dir); ConceptMoEVLMProcessor.from_pretrained(dir)
-
-Images: any PIL mode -> RGB -> Resize((image_size, image_size), bicubic|nearest|bilinear) ->
-ToTensor -> Normalize(image_mean, image_std) (`data_pipelines.images.ImageTransform`).
-Text: a string is one user turn (wrapped in the chat format and followed by `<|assistant|>\\n`),
-a list of turns is a conversation; each `<image>` expands to `<im_start>` + P x `<image>` +
-`<im_end>` (P = num_image_tokens). Prompts are left-padded by default (generation).
-
-Saved files: the tokenizer folder (tokenizer.json, tokenizer_config.json with the chat template,
-special_tokens_map.json) + `processor_config.json` (image and token settings). Loading reads
-only JSON (no pickle, no remote code).
+A plain class with the surface of a Hugging Face processor, saved as JSON files only (no pickle).
 """
 
 from __future__ import annotations
@@ -36,13 +19,34 @@ PROCESSOR_CONFIG = "processor_config.json"
 
 
 class ConceptMoEVLMProcessor:
-    def __init__(self, tokenizer, num_image_tokens: int, image_size: int = 224,
-                 image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), resample: str = "bicubic",
-                 add_bos: bool | None = None):
+    """Turns prompts and PIL images into model inputs and generated ids back into text.
+
+        processor = ConceptMoEVLMProcessor.for_model(tokenizer, model)   # or .from_pretrained(dir)
+        batch = processor(text=["<image>\\nWhat digit is this?"], images=[img])   # generation prompts
+        batch -> {"input_ids": Long[B,T], "attention_mask": Long[B,T], "pixel_values": Float[N,3,H,W]|None}
+        processor.batch_decode(generated_ids); processor.save_pretrained(dir)
+
+    Images go through ``image_transform``, the vision backbone's (``model.vision.image_transform()``);
+    without one it is ``ImageTransform(**image_settings)`` (image_size, image_mean, image_std,
+    resample: the keys saved in ``processor_config.json``). Text: a string is one user turn (followed
+    by ``<|assistant|>\\n``), a list of turns is a conversation; each ``<image>`` expands to
+    ``<im_start>`` + P x ``<image>`` + ``<im_end>`` (P = num_image_tokens). Prompts are left-padded
+    by default. Saved files: the tokenizer folder (chat template included) + ``processor_config.json``.
+    """
+
+    def __init__(self, tokenizer, num_image_tokens: int, image_transform: ImageTransform | None = None,
+                 add_bos: bool | None = None, **image_settings):
+        if image_transform is not None and image_settings:
+            raise ValueError(f"pass image_transform or its settings, not both (got {sorted(image_settings)})")
         self.tokenizer = tokenizer
-        self.image_transform = ImageTransform(image_size, image_mean, image_std, resample)
+        self.image_transform = image_transform if image_transform is not None else ImageTransform(**image_settings)
         self.chat_tokenizer = ChatTokenizer(tokenizer, num_image_tokens, add_bos=add_bos)
         self.add_bos = add_bos
+
+    @classmethod
+    def for_model(cls, tokenizer, model, add_bos: bool | None = None) -> ConceptMoEVLMProcessor:
+        """The processor of a built VLM: its image-token count and its vision backbone's transform."""
+        return cls(tokenizer, model.num_image_tokens, model.vision.image_transform(), add_bos=add_bos)
 
     # ----- settings -----
     @property
@@ -62,9 +66,7 @@ class ConceptMoEVLMProcessor:
 
     def to_config(self) -> dict:
         return {"processor_class": type(self).__name__, "num_image_tokens": self.num_image_tokens,
-                "image_size": self.image_size, "image_mean": self.image_transform.image_mean,
-                "image_std": self.image_transform.image_std, "resample": self.image_transform.resample,
-                "add_bos": self.add_bos,
+                **self.image_transform.settings(), "add_bos": self.add_bos,
                 "token_ids": {name: i for name, i in self.chat_tokenizer.ids.items()}}
 
     # ----- images -----
@@ -150,8 +152,10 @@ class ConceptMoEVLMProcessor:
         with open(os.path.join(directory, PROCESSOR_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
-        kwargs = {k: config[k] for k in ("num_image_tokens", "image_size", "image_mean",
-                                         "image_std", "resample", "add_bos") if k in config}
+        keys = ["num_image_tokens", "add_bos"]
+        if "image_transform" not in overrides:
+            keys += ["image_size", "image_mean", "image_std", "resample"]
+        kwargs = {k: config[k] for k in keys if k in config}
         kwargs.update(overrides)
         return cls(tokenizer, **kwargs)
 

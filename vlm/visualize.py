@@ -1,12 +1,8 @@
 """Pictures of the chunk boundaries: which tokens and which image patches became one concept.
 
-    python -m vlm.visualize --checkpoint runs/train-vlm/hf --image x.png --prompt "What digit is this?" \
-        --out boundaries.png
+    python -m vlm.visualize --checkpoint runs/train-vlm/hf --image x.png --prompt "What digit is this?" --out b.png
 
-Text is drawn as coloured spans (one colour per concept, a bar at each boundary); every image is
-drawn as its patch grid over the picture, patches of the same concept sharing a colour (patches
-are in raster order, so a concept is a run along rows). The title gives the per-modality ratios.
-``render_boundaries(...)`` returns a PIL image, for TensorBoard (``add_image``) or a notebook.
+``render_boundaries(...)`` returns the PIL image (for TensorBoard ``add_image`` or a notebook).
 """
 from __future__ import annotations
 
@@ -31,6 +27,9 @@ def concept_ids(boundary_T) -> list[int]:
 
 def draw(tokens: list[str], boundary_T, is_image_T, grid: tuple[int, int], images: list[Image.Image],
          title: str) -> Image.Image:
+    """Each image as its patch grid over the picture, patches coloured by concept (raster order, so a
+    concept is a run along rows) and outlined where a concept starts; text as coloured spans with a bar
+    at each boundary; ``title`` on top."""
     cid = concept_ids(boundary_T)
     img_runs, run, prev = [], [], False  # image token positions, grouped per image
     for t, flag in enumerate(is_image_T):
@@ -85,7 +84,7 @@ def draw(tokens: list[str], boundary_T, is_image_T, grid: tuple[int, int], image
 
 @torch.no_grad()
 def render_boundaries(model, processor, images: list[Image.Image], prompt: str) -> Image.Image:
-    """Run the model on one prompt (+ images) in eval mode and draw its concepts."""
+    """Run the model on one prompt (+ images) in eval mode and draw its concepts (title: the ratios R)."""
     was_training = model.training
     model.eval()
     try:
