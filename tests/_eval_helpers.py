@@ -36,8 +36,7 @@ def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VL
     config = ConceptMoEVLMConfig.from_yaml(preset, **tokenizer_token_ids(tokenizer))
     torch.manual_seed(seed)
     model = ConceptMoEVLMForConditionalGeneration(config).float().eval()
-    processor = ConceptMoEVLMProcessor(tokenizer, num_image_tokens=model.num_image_tokens,
-                                       image_size=model.vision.image_size)
+    processor = ConceptMoEVLMProcessor.for_model(tokenizer, model)
     return model, processor
 
 

@@ -121,13 +121,7 @@ def build_processor(model, tokenizer):
         return None
     from vlm.processing import ConceptMoEVLMProcessor
 
-    vision = model.vision
-    resample = getattr(vision, "_interpolation", "bicubic")
-    if resample not in ("bicubic", "nearest", "bilinear"):
-        resample = "bicubic"
-    return ConceptMoEVLMProcessor(tokenizer, num_image_tokens=model.num_image_tokens, image_size=vision.image_size,
-                                  image_mean=getattr(vision, "_image_mean", (0.5, 0.5, 0.5)),
-                                  image_std=getattr(vision, "_image_std", (0.5, 0.5, 0.5)), resample=resample)
+    return ConceptMoEVLMProcessor.for_model(tokenizer, model)
 
 
 def data_config(cfg: TrainConfig) -> dict:
