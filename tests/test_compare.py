@@ -49,7 +49,9 @@ def test_smoke_all_arms_report(tmp_path, monkeypatch, capsys):
     runs = {r["arm"]: r for r in report["runs"]}
     assert set(runs) == {"a", "b", "c", "d"}
     for r in runs.values():
-        assert r["steps"] == 3 and r["vqa"]["total"] == 6 and 0.0 <= r["vqa"]["accuracy"] <= 1.0
+        assert r["steps"] == 3 and r["vqa"]["total"] == 6
+        # 3 steps learn nothing: the accuracy is checked for consistency with its counts, not a level
+        assert isinstance(r["vqa"]["correct"], int) and r["vqa"]["accuracy"] == r["vqa"]["correct"] / 6
         assert r["text"]["tokens"] == 256 and r["text"]["bits_per_byte"] > 0
         assert (Path(r["run_dir"]) / "metrics.jsonl").is_file()
     assert runs["a"]["text"]["compression_ratio"] is None

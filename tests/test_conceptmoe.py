@@ -95,6 +95,78 @@ def test_packed_segments_do_not_interact(tiny_model, make_decisive, preset, merg
         assert int(packed.num_concepts.sum()) == sum(int(o.num_concepts.sum()) for o in alone.values())
 
 
+def _packed_rows():
+    """Two packed rows in the collate layout (segment ids 1, 2, 3 per sample, 0 = padding; positions
+    restarting in each segment): row 0 = 7 + 9 + 8 tokens, row 1 = 5 + 12 + 4 tokens + 3 right pads."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, V, (2, 24), generator=g)
+    seg = torch.tensor([[1] * 7 + [2] * 9 + [3] * 8, [1] * 5 + [2] * 12 + [3] * 4 + [0] * 3])
+    am = (seg > 0).long()
+    ids = ids * am
+    pos = torch.zeros_like(seg)
+    for r in range(2):
+        for k in range(1, 4):
+            sel = seg[r] == k
+            pos[r, sel] = torch.arange(int(sel.sum()))
+    return ids, am, seg, pos
+
+
+def _bump(ids, r, t):
+    ids2 = ids.clone()
+    ids2[r, t] = (ids2[r, t] + 1 + t) % (V - 1) + 1
+    return ids2
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("preset, merge, router", [
+    ("tiny", "last", None),  # chunking off: the plain MoE
+    ("tiny_concept", "last", "decisive"), ("tiny_concept", "sum", "decisive"),
+    ("tiny_concept", "last", "random"), ("tiny_concept", "sum", "random"),
+])
+def test_packed_rows_are_causal_and_segments_isolated(tiny_model, make_decisive, preset, merge, router):
+    """Packed rows (``segment_ids``), eval mode, changing one token at (row r, position t):
+    - causality: no logit (boundary, probability) at any position < t of row r changes, whether t
+      is in the same segment or starts a later one;
+    - isolation: no logit (boundary, probability) of any OTHER segment of row r changes, including
+      the later ones (a mask that ignored segment_ids would still be causal, but not this);
+    - the change is visible at t itself (the test can fail).
+    "random" keeps the default random router (boundary p strictly inside (0.5, 1), so the EMA is
+    not trivial and a leak of it across segments would show); it is guarded so that no p sits
+    within 1e-4 of 0.5 (a last-bit difference cannot flip a hard boundary)."""
+    model = tiny_model(preset, concept_merge=merge)
+    chunked = model.config.chunking
+    if router == "decisive":
+        make_decisive(model, 3)
+    if chunked:
+        randomise_joint(model)
+    model = dev(model)
+    ids, am, seg, pos = dev(*_packed_rows())
+    kw = {"attention_mask": am, "position_ids": pos, "segment_ids": seg}
+    with torch.no_grad():
+        base = model(ids, **kw)
+    if chunked:
+        b, p = base.boundary_mask, base.boundary_probs
+        inner = am.bool() & (pos > 0)
+        assert 0 < int(b[inner].sum()) < int(inner.sum())  # really chunked inside the segments
+        assert torch.equal(b[am.bool() & (pos == 0)], torch.ones_like(b[am.bool() & (pos == 0)]))
+        if router == "random":
+            assert float((p[inner] - 0.5).abs().min()) > 1e-4
+            assert bool(((p[inner & b] > 0.5) & (p[inner & b] < 0.99)).all())
+    # (row, position): mid-segment, a segment's first token, a segment's last token
+    for r, t in [(0, 3), (0, 7), (0, 12), (0, 15), (0, 20), (1, 5), (1, 9), (1, 17), (1, 19)]:
+        with torch.no_grad():
+            out = model(_bump(ids, r, t), **kw)
+        keep = am.bool().clone()
+        keep[r] &= (torch.arange(24, device=keep.device) < t) | (seg[r] != seg[r, t])
+        keep[1 - r] = am[1 - r].bool()  # the other row must not change at all
+        msg = f"row {r} position {t} (segment {int(seg[r, t])}) changed logits it may not reach"
+        torch.testing.assert_close(out.logits[keep], base.logits[keep], **tol(1e-5, 0), msg=msg)
+        assert not torch.allclose(out.logits[r, t], base.logits[r, t], atol=1e-4)
+        if chunked:
+            assert torch.equal(out.boundary_mask[keep], base.boundary_mask[keep]), msg
+            torch.testing.assert_close(out.boundary_probs[keep], base.boundary_probs[keep], **tol(1e-6, 0))
+
+
 # layout -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dec, K, want", [(2, 4, [4, 5]), (2, 1, [5]), (2, 0, []), (1, 4, [5])])
 def test_joint_projections_only_in_last_K_decoder_layers(tiny_model, dec, K, want):
@@ -157,6 +229,49 @@ def test_lm_loss_reaches_router_through_ste(tiny_model):
     out = model(ids, labels=ids)
     out.lm_loss.backward()
     assert model.model.chunker.q_proj.weight.grad.abs().sum() > 0
+
+
+def _router_grad(model, ids) -> torch.Tensor:
+    """d lm_loss / d W_q of the chunk router (zeros where no path reaches it); train mode, boundary
+    sampling reseeded so that every call sees the same boundaries."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(11)
+    model(ids, labels=ids).lm_loss.backward()
+    g = model.model.chunker.q_proj.weight.grad
+    return torch.zeros_like(model.model.chunker.q_proj.weight) if g is None else g.detach().clone()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("merge", ["last", "sum"])
+def test_lm_loss_reaches_router_through_ste_alone(tiny_model, monkeypatch, merge):
+    """The router gets LM gradient by two paths: the EMA weights (p of each boundary token) and the
+    STE factor STE(s_n) of every token. test_lm_loss_reaches_router_through_ste sees their sum, so it
+    passes with the STE removed. Here the EMA path is cut (its p detached where dechunk takes it):
+    the gradient that is left comes from the STE alone and must be nonzero; with the STE also
+    replaced by a constant 1 nothing reaches the router (the cut is complete); and the two paths
+    add up to the full gradient."""
+    import vlm.modeling.conceptmoe as cm
+    import vlm.modeling.dechunk as dc
+
+    real_dechunk, real_ste = cm.dechunk, dc.ste
+    model = dev(tiny_model("tiny_concept", ratio_loss_weight=0.0, concept_merge=merge)).train()
+    ids = dev(torch.randint(1, V, (2, 16), generator=torch.Generator().manual_seed(3)))
+    full = _router_grad(model, ids)
+
+    def ema_cut(h, c_hat, concept_prob_BM, *args, **kwargs):
+        return real_dechunk(h, c_hat, concept_prob_BM.detach(), *args, **kwargs)
+
+    monkeypatch.setattr(cm, "dechunk", ema_cut)
+    ste_only = _router_grad(model, ids)
+    assert ste_only.abs().sum() > 1e-3 * full.abs().sum() > 0, "no LM gradient reaches the router via the STE"
+
+    monkeypatch.setattr(dc, "ste", lambda s: torch.ones_like(s))  # STE removed: factor 1, no gradient
+    assert torch.count_nonzero(_router_grad(model, ids)) == 0, "a path other than EMA / STE reaches the router"
+
+    monkeypatch.setattr(cm, "dechunk", real_dechunk)
+    ema_only = _router_grad(model, ids)
+    monkeypatch.setattr(dc, "ste", real_ste)
+    torch.testing.assert_close(ste_only + ema_only, full, **tol(1e-5, 1e-4))
 
 
 # identities with the plain MoE --------------------------------------------------------------------
