@@ -24,7 +24,6 @@ The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_ove
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import re
 import sys
@@ -246,8 +245,8 @@ def _vlm_from(key: str, value):
 
 
 def test_vlm_rules_cover_every_field():
-    expected = ({f"vision.{f.name}" for f in dataclasses.fields(VisionEncoderConfig)}
-                | {f"projector.{f.name}" for f in dataclasses.fields(ProjectorConfig)}
+    expected = ({f"vision.{name}" for name in VisionEncoderConfig.model_fields}
+                | {f"projector.{name}" for name in ProjectorConfig.model_fields}
                 | {"vision", "projector", "text", "text_preset", *_TOKEN_FIELDS})
     assert expected == set(VLM_RULES), sorted(expected ^ set(VLM_RULES))
     # every constructor argument is one of them (text_config <- text_preset + text)

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BeforeValidator
 from torch import nn
 
 from data_pipelines.images import RESAMPLE_MODES, ImageTransform
+from vlm.config.core import PosInt, Section, Text
 
 FEATURE_LAYERS = ("last", "penultimate")
 SAFE_WEIGHT_SUFFIX = ".safetensors"
 HUB_PREFIXES = ("hf-hub:", "hf_hub:")
 
 
-@dataclass
-class VisionEncoderConfig:
-    """Which vision backbone to build and how to read its features.
+def _fspath(value):
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+class VisionEncoderConfig(Section):
+    """Which vision backbone to build and how to read its features (the VLM config's ``vision:``).
 
     backbone:      registry id (see ``VISION_BACKBONES``), e.g. "tiny-vit".
     model_name:    overrides the preset's timm / open_clip model name.
@@ -37,35 +42,14 @@ class VisionEncoderConfig:
     model_kwargs:  extra kwargs for the library constructor (override the preset's).
     """
 
-    backbone: str
-    model_name: str | None = None
-    pretrained: str | None = None
+    backbone: Text
+    model_name: Text | None = None
+    pretrained: Annotated[Text, BeforeValidator(_fspath)] | None = None
     trust_pickle: bool = False
-    feature_layer: str = "last"
+    feature_layer: Literal[FEATURE_LAYERS] = "last"
     keep_cls: bool = False
-    image_size: int | None = None
-    model_kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.backbone, str) or not self.backbone:
-            raise ValueError(f"vision.backbone must be a non-empty string, got {self.backbone!r}")
-        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
-            raise ValueError(f"vision.model_name must be a non-empty string or None, got {self.model_name!r}")
-        if self.pretrained is not None:
-            if not isinstance(self.pretrained, (str, os.PathLike)) or not os.fspath(self.pretrained):
-                raise ValueError(f"vision.pretrained must be a file path or None, got {self.pretrained!r}")
-            self.pretrained = os.fspath(self.pretrained)
-        for name in ("trust_pickle", "keep_cls"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"vision.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.feature_layer not in FEATURE_LAYERS:
-            raise ValueError(f"vision.feature_layer must be 'last' or 'penultimate', got {self.feature_layer!r}")
-        if self.image_size is not None and (
-            isinstance(self.image_size, bool) or not isinstance(self.image_size, int) or self.image_size <= 0
-        ):
-            raise ValueError(f"vision.image_size must be a positive int or None, got {self.image_size!r}")
-        if not isinstance(self.model_kwargs, dict):
-            raise ValueError(f"vision.model_kwargs must be a dict, got {self.model_kwargs!r}")
+    image_size: PosInt | None = None
+    model_kwargs: dict = {}
 
 
 def resolve_model_name(cfg: VisionEncoderConfig, preset_name: str | None) -> str:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
+
+from vlm.config.core import Section
 
 PROJECTOR_KINDS = ("linear", "mlp2x_gelu")
 PROJECTOR_MERGES = ("none", "pixel_shuffle2x2")
 
 
-@dataclass
-class ProjectorConfig:
+class ProjectorConfig(Section):
     """kind:  "linear" (one Linear) or "mlp2x_gelu" (Linear -> GELU -> Linear, as in LLaVA-1.5).
     merge: "none" keeps one token per patch (Q = P); "pixel_shuffle2x2" concatenates each 2x2
            neighbourhood of the (even) patch grid into one token of 4*D channels, ordered top-left,
@@ -20,14 +21,8 @@ class ProjectorConfig:
            be merged. Tokens stay in raster order over ``Projector.output_grid``.
     """
 
-    kind: str = "mlp2x_gelu"
-    merge: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.kind not in PROJECTOR_KINDS:
-            raise ValueError(f"projector.kind must be one of {', '.join(map(repr, PROJECTOR_KINDS))}, got {self.kind!r}")
-        if self.merge not in PROJECTOR_MERGES:
-            raise ValueError(f"projector.merge must be one of {', '.join(map(repr, PROJECTOR_MERGES))}, got {self.merge!r}")
+    kind: Literal[PROJECTOR_KINDS] = "mlp2x_gelu"
+    merge: Literal[PROJECTOR_MERGES] = "none"
 
 
 class Projector(nn.Module):

@@ -5,14 +5,13 @@ preset, relative to the file) and ``text:`` (keys that override it). Overrides: 
 ``projector.merge=...``; any other key goes to the language model. Token ids come from the tokenizer."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
 from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
 from vision_encoders.base import HUB_PREFIXES
-from vlm.config.core import ConfigError, check, fail, load_yaml
+from vlm.config.core import build, check, load_yaml
 from vlm.config.model import SECTIONS, ConceptMoEConfig
 
 TOKEN_FIELDS = ("image_token_id", "im_start_token_id", "im_end_token_id")
@@ -24,20 +23,6 @@ def _mapping(value, key: str) -> dict:
         return {}
     check(isinstance(value, dict), key, f"must be a mapping of keys to values, got {value!r}")
     return dict(value)
-
-
-def _dataclass_from(cls, raw: dict, section: str):
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        check(key in names, f"{section}.{key}", "unknown config key")
-    for f in dataclasses.fields(cls):
-        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise fail(f"{section}.{f.name}", "is required")
-    try:
-        return cls(**raw)
-    except (TypeError, ValueError) as err:
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"config error: {msg if msg.startswith(section + '.') else f'{section}: {msg}'}") from None
 
 
 def _check_vision(vision: VisionEncoderConfig) -> None:
@@ -80,11 +65,11 @@ class ConceptMoEVLMConfig(PretrainedConfig):
 
     @property
     def vision_config(self) -> VisionEncoderConfig:
-        return _dataclass_from(VisionEncoderConfig, self.vision, "vision")
+        return build(VisionEncoderConfig, self.vision, "vision.")
 
     @property
     def projector_config(self) -> ProjectorConfig:
-        return _dataclass_from(ProjectorConfig, self.projector, "projector")
+        return build(ProjectorConfig, self.projector, "projector.")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ConceptMoEVLMConfig":
