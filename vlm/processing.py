@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from data_pipelines.chat_template import ChatTokenizer
+from data_pipelines.collate import pad_token_lists
 from data_pipelines.images import ImageTransform
 from data_pipelines.tokenizer_files import save_tokenizer_folder
 
@@ -106,26 +107,12 @@ class ConceptMoEVLMProcessor:
         if n_tokens != n_images * self.num_image_tokens:
             raise ValueError(f"{n_tokens // max(self.num_image_tokens, 1)} <image> placeholders "
                              f"but {n_images} images")
-        width = max(len(row) for row in rows)
-        pad = self.chat_tokenizer.pad_id
-        input_ids, attention_mask = [], []
-        for row in rows:
-            fill = width - len(row)
-            if padding_side == "left":
-                input_ids.append([pad] * fill + row)
-                attention_mask.append([0] * fill + [1] * len(row))
-            elif padding_side == "right":
-                input_ids.append(row + [pad] * fill)
-                attention_mask.append([1] * len(row) + [0] * fill)
-            else:
-                raise ValueError("padding_side must be 'left' or 'right'")
-        if return_tensors == "pt":
-            return {"input_ids": torch.tensor(input_ids, dtype=torch.long),
-                    "attention_mask": torch.tensor(attention_mask, dtype=torch.long),
-                    "pixel_values": pixel_values}
+        if return_tensors not in ("pt", None):
+            raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
+        input_ids, attention_mask = pad_token_lists(rows, self.chat_tokenizer.pad_id, padding_side)
         if return_tensors is None:
-            return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
-        raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
+            input_ids, attention_mask = input_ids.tolist(), attention_mask.tolist()
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
