@@ -1,21 +1,7 @@
-"""Continual-training conversion: a trained plain MoE checkpoint -> a ConceptMoE checkpoint.
+"""Continual-training conversion: a trained plain-MoE checkpoint -> a ConceptMoE checkpoint (paper
+section 7); ``--check`` proves the R = 1 identity against the baseline.
 
-    python -m vlm.convert --from runs/moe/hf --to runs/moe_to_concept --ratio 1.5 --strategy loop
-
-What it does (the paper's conversion path, section 7):
-- copies every weight of the baseline (embeddings, all layers, norms, head; for a VLM also the
-  vision tower and projector): the layer stack is split into L_E encoder / L_C concept / L_D decoder
-  layers with unchanged parameter names, so nothing is re-initialised;
-- adds the chunk router with RANDOM init, uses ``concept_merge: last`` (keeps the initial loss
-  close to the baseline's), zero-initialises the joint-decoding projections;
-- gives the saved compute back as the FLOP matcher solves (``vlm/flops/matching.py``), here with the
-  experts kept as they are (no expert is dropped, so every weight has a home): ``topk`` raises the
-  concept layers' top-k, ``loop`` also re-runs middle concept layers with their own weights.
-
-Identity check (``--check``): with every token forced to be a concept (``boundary_mode: all``,
-R = 1) the matcher has no compute to give back, i.e. the baseline's top-k and no loops; in that
-setting the converted model's logits equal the baseline's. The check runs that and prints the
-largest logit difference.
+    python -m vlm.convert --from runs/moe/hf --to runs/moe_to_concept --ratio 1.5 --strategy loop [--check]
 """
 from __future__ import annotations
 
@@ -82,6 +68,23 @@ def _load_base(cls, src: Path):
 
 def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=None, decoder_layers=None,
             joint_decoding_layers: int = 4, seed: int = 0):
+    """Convert the HF export ``src`` (a plain MoE, LM or VLM) into a ConceptMoE at ``dst``.
+
+    What it does (the paper's conversion path, section 7):
+    - copies every weight of the baseline (embeddings, all layers, norms, head; for a VLM also the
+      vision tower and projector): the layer stack is split into L_E encoder / L_C concept / L_D decoder
+      layers with unchanged parameter names, so nothing is re-initialised;
+    - adds the chunk router with RANDOM init, uses ``concept_merge: last`` (keeps the initial loss
+      close to the baseline's), zero-initialises the joint-decoding projections;
+    - gives the saved compute back as the FLOP matcher solves (``vlm/flops/matching.py``), here with the
+      experts kept as they are (no expert is dropped, so every weight has a home): ``topk`` raises the
+      concept layers' top-k, ``loop`` also re-runs middle concept layers with their own weights.
+
+    Identity check (``--check``): with every token forced to be a concept (``boundary_mode: all``,
+    R = 1) the matcher has no compute to give back, i.e. the baseline's top-k and no loops; in that
+    setting the converted model's logits equal the baseline's. The check runs that and prints the
+    largest logit difference.
+    """
     require_safetensors(src)
     kind = _load_kind(src)
     torch.manual_seed(seed)

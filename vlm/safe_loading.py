@@ -1,21 +1,5 @@
-"""Safe loading: our checkpoints are safetensors; a pickle is never unpickled unless asked for.
-
-``require_safetensors(path)`` refuses a local checkpoint folder that holds only pickles
-(``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``, ``*.pickle``) - and a path that IS such a
-file - unless ``trust_pickle=True``. Every ``from_pretrained`` of our model classes goes through it
-and passes ``use_safetensors=True`` to transformers (with ``trust_pickle=True`` both are lifted;
-transformers / torch may still refuse the file for their own reasons, e.g. ``weights_only``).
-Pickles next to a ``*.safetensors`` file are never read.
-
-Metadata we write ourselves is JSON: ``read_json(path)`` reads it and turns a file that is not
-UTF-8 JSON (say a pickle planted under ``trainer_state.json``) into one clear line; nothing is ever
-unpickled. Tokenizer / processor files are JSON read by ``tokenizers`` / ``json`` (no pickle, and
-``trust_remote_code=False``).
-
-DeepSpeed's own engine checkpoints (``*_model_states.pt``, ``*_optim_states.pt``, read on resume)
-are files our trainer wrote itself: resuming trusts the run directory (see the README's Reliability
-section); they are out of scope here.
-"""
+"""Safe loading: our checkpoints are safetensors and our metadata JSON; a pickle is never unpickled
+unless asked for (``trust_pickle=True``)."""
 from __future__ import annotations
 
 import json
@@ -33,6 +17,22 @@ class NotJSONError(ValueError):
 
 
 def require_safetensors(folder, trust_pickle: bool = False) -> None:
+    """Refuse a local checkpoint folder that holds only pickles
+    (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``, ``*.pickle``) - and a path that IS such a
+    file - unless ``trust_pickle=True``. Every ``from_pretrained`` of our model classes goes through it
+    and passes ``use_safetensors=True`` to transformers (with ``trust_pickle=True`` both are lifted;
+    transformers / torch may still refuse the file for their own reasons, e.g. ``weights_only``).
+    Pickles next to a ``*.safetensors`` file are never read.
+
+    Metadata we write ourselves is JSON: ``read_json(path)`` reads it and turns a file that is not
+    UTF-8 JSON (say a pickle planted under ``trainer_state.json``) into one clear line; nothing is ever
+    unpickled. Tokenizer / processor files are JSON read by ``tokenizers`` / ``json`` (no pickle, and
+    ``trust_remote_code=False``).
+
+    DeepSpeed's own engine checkpoints (``*_model_states.pt``, ``*_optim_states.pt``, read on resume)
+    are files our trainer wrote itself: resuming trusts the run directory (see the README's Reliability
+    section); they are out of scope here.
+    """
     path = Path(folder)
     if path.is_file() and path.suffix in PICKLE_SUFFIXES and not trust_pickle:
         raise UnsafeCheckpoint(f"{path} is a pickle file; loading it can run code. Convert it to safetensors, "

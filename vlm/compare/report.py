@@ -1,15 +1,5 @@
-"""Report of ``vlm.compare``: the accountant's FLOPs / params table (proving the match), the metric
-table (mean +- std over seeds and per seed), paired arm-vs-arm differences, the training-loss PNG,
-``report.md`` and ``report.json``.
-
-Conventions: FLOPs are the accountant's (``vlm.flops``): forward FLOPs per token, 2 x MACs of the
-matmuls, of the LANGUAGE MODEL (the vision tower and projector are identical in every arm and are
-listed once); "activated FLOPs" exclude the attention map (the paper's matching quantity), which
-is listed separately at the training sequence length (full N x N convention). Concept layers are
-counted at the target ratio R; the achieved-R column re-counts them at the ratio the trained model
-actually reached on held-out text (boundaries are learned, so it can drift from R). Tolerances: 3%
-activated FLOPs, 1% total parameters, relative to arm a.
-"""
+"""Report of ``vlm.compare``: the FLOPs / params match table, metrics (mean +- std over seeds),
+paired arm-vs-arm differences, the training-loss PNG, ``report.md`` and ``report.json``."""
 from __future__ import annotations
 
 import json
@@ -285,6 +275,16 @@ def loss_png(cfg: dict, by_arm: dict, path: Path) -> bool:
 
 def write_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seq_len: int,
                  seeds: list[int], wall_s: float) -> dict:
+    """Write report.md / report.json / loss_curves.png under ``out``; return the report dict.
+
+    Conventions: FLOPs are the accountant's (``vlm.flops``): forward FLOPs per token, 2 x MACs of the
+    matmuls, of the LANGUAGE MODEL (the vision tower and projector are identical in every arm and are
+    listed once); "activated FLOPs" exclude the attention map (the paper's matching quantity), which
+    is listed separately at the training sequence length (full N x N convention). Concept layers are
+    counted at the target ratio R; the achieved-R column re-counts them at the ratio the trained model
+    actually reached on held-out text (boundaries are learned, so it can drift from R). Tolerances: 3%
+    activated FLOPs, 1% total parameters, relative to arm a.
+    """
     by_arm: dict = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)

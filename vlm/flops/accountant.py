@@ -1,31 +1,6 @@
-"""FLOPs / parameter / KV-cache accountant for ``ConceptMoEConfig`` (plain MoE and ConceptMoE).
-
-Conventions (read these before quoting a number):
-
-- FLOPs are forward FLOPs per token, ``2 * MACs`` of the matmul-like ops only (linear layers,
-  expert matmuls, attention QK^T and AV, the blocked EMA scan). Elementwise work (norms, RoPE,
-  softmax, SiLU, residual adds, the EMA combine) is not counted anywhere: this is the usual
-  model-FLOPs convention and it is what ``torch.utils.flop_counter.FlopCounterMode`` counts.
-- Training FLOPs per token = 3 x forward (backward = 2 x forward); see ``train_total``.
-- Attention map: the FULL N x N product for causal attention (``4 * N * heads * head_dim`` per
-  token and layer), which is what FlopCounterMode's SDPA formula counts on CUDA (it ignores
-  ``is_causal``). On CPU FlopCounterMode counts NOTHING for SDPA (torch 2.14 has no formula for
-  ``_scaled_dot_product_flash_attention_for_cpu``); the tests register that formula explicitly.
-  ``causal_half=True`` counts the causal half instead. Concept layers attend over M = N / R
-  concepts, so their map costs ``4 * N * heads * head_dim_c / R^2`` per token and run.
-- Per-token numbers of the concept model are per concept divided by R (one concept per R tokens);
-  looped layers count once per run (``concept_schedule``).
-- Activated params per token: everything a token touches except the embedding lookup (the LM head
-  is counted even when tied); experts: top_k (+ shared); concept layers weighted by runs / R.
-- KV bytes per token: token layers 2 * kv_heads * head_dim * dtype_bytes each; concept layers
-  the same per concept (i.e. / R per token), once per run (each loop slot has its own cache).
-  With ``concept_merge="sum"`` the cache holds completed concepts only (one entry fewer per row).
-- The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the blocked EMA scan of
-  ``dechunk.ema_scan`` (a [Q, Q] x [Q, d] matmul per block of Q = min(64, M) concepts).
-
-API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``; the matching
-solver is ``vlm.flops.matching``; CLI ``python -m vlm.flops --help``.
-"""
+"""FLOPs / parameter / KV-cache accountant for ``ConceptMoEConfig`` (plain MoE and ConceptMoE):
+``count_params``, ``flops_per_token`` (its docstring states the counting conventions),
+``kv_bytes_per_token``, ``compare_table``; CLI ``python -m vlm.flops --help``."""
 from __future__ import annotations
 
 import math
@@ -180,6 +155,32 @@ def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal
 
     ``ratio`` is R = tokens / concepts (default: the config's target ratio); pass the measured one
     (``seq_len / num_concepts``) to account for a real forward pass.
+
+    Conventions (read these before quoting a number):
+
+    - FLOPs are forward FLOPs per token, ``2 * MACs`` of the matmul-like ops only (linear layers,
+      expert matmuls, attention QK^T and AV, the blocked EMA scan). Elementwise work (norms, RoPE,
+      softmax, SiLU, residual adds, the EMA combine) is not counted anywhere: this is the usual
+      model-FLOPs convention and it is what ``torch.utils.flop_counter.FlopCounterMode`` counts.
+    - Training FLOPs per token = 3 x forward (backward = 2 x forward); see ``train_total``.
+    - Attention map: the FULL N x N product for causal attention (``4 * N * heads * head_dim`` per
+      token and layer), which is what FlopCounterMode's SDPA formula counts on CUDA (it ignores
+      ``is_causal``). On CPU FlopCounterMode counts NOTHING for SDPA (torch 2.14 has no formula for
+      ``_scaled_dot_product_flash_attention_for_cpu``); the tests register that formula explicitly.
+      ``causal_half=True`` counts the causal half instead. Concept layers attend over M = N / R
+      concepts, so their map costs ``4 * N * heads * head_dim_c / R^2`` per token and run.
+    - Per-token numbers of the concept model are per concept divided by R (one concept per R tokens);
+      looped layers count once per run (``concept_schedule``).
+    - Activated params per token: everything a token touches except the embedding lookup (the LM head
+      is counted even when tied); experts: top_k (+ shared); concept layers weighted by runs / R.
+    - KV bytes per token: token layers 2 * kv_heads * head_dim * dtype_bytes each; concept layers
+      the same per concept (i.e. / R per token), once per run (each loop slot has its own cache).
+      With ``concept_merge="sum"`` the cache holds completed concepts only (one entry fewer per row).
+    - The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the blocked EMA scan of
+      ``dechunk.ema_scan`` (a [Q, Q] x [Q, d] matmul per block of Q = min(64, M) concepts).
+
+    API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``; the matching
+    solver is ``vlm.flops.matching``; CLI ``python -m vlm.flops --help``.
     """
     a = Arch.of(cfg)
     R = _ratio(a, ratio)

@@ -1,44 +1,6 @@
-"""Solve a ConceptMoE config that matches a plain-MoE baseline (paper section 7).
-
-Matching targets: total parameters within 1% and activated forward FLOPs per token, attention map
-EXCLUDED, within 3% (both at the target ratio R, M = N / R). Only candidates within those limits
-are eligible; among them the strategy's preference (below) decides, with "also within 0.5% /
-1.5%" as a tie-break after the structural choices. If nothing fits, the closest candidate is
-returned and ``solve_report`` says so.
-
-What every strategy keeps from the baseline: L, d, heads, head_dim, vocab, expert width
-(``moe_intermediate_size``), shared/dense FFNs, the baseline top_k in the encoder and decoder.
-The layer split (L_E, L_D) is an input (default 1/1 below 16 layers, the paper's 4/4 from 16 on).
-
-Parameter surplus. Chunking adds the chunker (2 d^2) and K joint-decoding layers (each
-d * (heads + 2 kv_heads) * head_dim); a wider concept model adds d <-> d_c projections. The
-solver compensates only with knobs that keep every layer identical in shape to the baseline:
-  - K (joint-decoding layers, from the requested K = min(joint_decoding_layers, L_D) down to 0),
-  - the number of routed experts E (global: every MoE layer loses the same experts).
-The expert width is never changed (that would change every layer, including the token layers).
-Preference among candidates that meet the tolerances: strategy-specific key first (below), then
-the largest K (joint decoding helps quality: paper ablation 36.4 vs 35.1), then the fewest experts
-removed, then the tighter tier, then the smallest combined error. At small sizes the surplus is
-< 1% and nothing is cut.
-
-Strategies (``solve_match(baseline, strategy, ratio, **opts)``):
-  topk  (1) same experts; ``concept_top_k`` raised so FLOPs match. FLOPs are linear in k_c, the
-        best integer is taken around the exact solution.
-  loop  (2) n concept layers (the middle ones) run ``loop_times`` (default 2) times with shared
-        weights (no new parameters), plus k_c solved as in (1). n defaults to the candidate closest
-        to half the concept layers among those that meet the tolerances (``loop_layers=n`` or a
-        list of indices fixes it).
-  wide  (3) d_c ~ sqrt(R) * d (the paper's "wider (sqrt(R))" row: per concept the attention and
-        expert cost grow by ~sqrt(R), so per token the concept model keeps ~1/sqrt(R) of its
-        cost and the KV cache of a concept layer shrinks by sqrt(R)); ``width_factor`` overrides.
-        d_c lies in [0.8, 1.25] x the target and is preferably a multiple of 8 * heads (head_dim_c
-        a multiple of 8 for fused attention kernels); a multiple of 2 * heads is taken only when it
-        reaches a better tolerance tier (``dc_multiple`` forces a step). E is solved from the
-        parameter budget (the wider concept experts cost more, so E drops globally), then k_c
-        from the FLOP budget. Preference: the
-        tighter tier FIRST (d_c, E and k_c together give enough choices to land close), then a
-        d_c multiple of 8 * heads, then d_c closest to the target, then K.
-"""
+"""Solve a ConceptMoE config that matches a plain-MoE baseline (paper section 7): total parameters
+within 1% and activated forward FLOPs per token (attention map excluded) within 3%, by strategy
+``topk`` (1), ``loop`` (2) or ``wide`` (3); ``solve_match`` documents the rules."""
 from __future__ import annotations
 
 import math
@@ -115,6 +77,45 @@ def solve_match(baseline_cfg, strategy: str, ratio: float = 2.0, *, encoder_laye
 
     ``overrides`` are further config fields for the result (e.g. ``boundary_noise_tau=6.0``).
     The chosen candidate's errors are in ``cfg.solver_info`` (not saved with the config).
+
+    Matching targets: total parameters within 1% and activated forward FLOPs per token, attention map
+    EXCLUDED, within 3% (both at the target ratio R, M = N / R). Only candidates within those limits
+    are eligible; among them the strategy's preference (below) decides, with "also within 0.5% /
+    1.5%" as a tie-break after the structural choices. If nothing fits, the closest candidate is
+    returned and ``solve_report`` says so.
+
+    What every strategy keeps from the baseline: L, d, heads, head_dim, vocab, expert width
+    (``moe_intermediate_size``), shared/dense FFNs, the baseline top_k in the encoder and decoder.
+    The layer split (L_E, L_D) is an input (default 1/1 below 16 layers, the paper's 4/4 from 16 on).
+
+    Parameter surplus. Chunking adds the chunker (2 d^2) and K joint-decoding layers (each
+    d * (heads + 2 kv_heads) * head_dim); a wider concept model adds d <-> d_c projections. The
+    solver compensates only with knobs that keep every layer identical in shape to the baseline:
+      - K (joint-decoding layers, from the requested K = min(joint_decoding_layers, L_D) down to 0),
+      - the number of routed experts E (global: every MoE layer loses the same experts).
+    The expert width is never changed (that would change every layer, including the token layers).
+    Preference among candidates that meet the tolerances: strategy-specific key first (below), then
+    the largest K (joint decoding helps quality: paper ablation 36.4 vs 35.1), then the fewest experts
+    removed, then the tighter tier, then the smallest combined error. At small sizes the surplus is
+    < 1% and nothing is cut.
+
+    Strategies (``solve_match(baseline, strategy, ratio, **opts)``):
+      topk  (1) same experts; ``concept_top_k`` raised so FLOPs match. FLOPs are linear in k_c, the
+            best integer is taken around the exact solution.
+      loop  (2) n concept layers (the middle ones) run ``loop_times`` (default 2) times with shared
+            weights (no new parameters), plus k_c solved as in (1). n defaults to the candidate closest
+            to half the concept layers among those that meet the tolerances (``loop_layers=n`` or a
+            list of indices fixes it).
+      wide  (3) d_c ~ sqrt(R) * d (the paper's "wider (sqrt(R))" row: per concept the attention and
+            expert cost grow by ~sqrt(R), so per token the concept model keeps ~1/sqrt(R) of its
+            cost and the KV cache of a concept layer shrinks by sqrt(R)); ``width_factor`` overrides.
+            d_c lies in [0.8, 1.25] x the target and is preferably a multiple of 8 * heads (head_dim_c
+            a multiple of 8 for fused attention kernels); a multiple of 2 * heads is taken only when it
+            reaches a better tolerance tier (``dc_multiple`` forces a step). E is solved from the
+            parameter budget (the wider concept experts cost more, so E drops globally), then k_c
+            from the FLOP budget. Preference: the
+            tighter tier FIRST (d_c, E and k_c together give enough choices to land close), then a
+            d_c multiple of 8 * heads, then d_c closest to the target, then K.
     """
     if strategy not in ("topk", "loop", "wide"):
         raise ValueError(f"strategy must be topk, loop or wide, got {strategy!r}")
