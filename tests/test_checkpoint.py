@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import random
 
+import _train_helpers as helpers
 import numpy as np
 import pytest
 import torch
-
 from _ckpt import FakeEngine
 from _ckpt import save as _save
+
 from vlm.training import checkpoint as ckpt
-from vlm.training import testing
 
 
 def test_save_rename_pointer_and_keep_last(tmp_path):
@@ -101,22 +101,22 @@ def test_rng_state_is_json_and_round_trips():
 def test_kill_during_save_then_resume_auto(tmp_path):
     """kill -9 in the middle of the step-4 save: step 2 stays the loadable newest checkpoint;
     ``--resume auto`` picks it and the resumed steps 3-4 reproduce the killed run's losses."""
-    raw = testing.config(tmp_path, name="crash", train={"max_steps": 6},
+    raw = helpers.config(tmp_path, name="crash", train={"max_steps": 6},
                          checkpoint={"every_steps": 2, "keep_last": 2})
-    cfg_path = testing.write_config(tmp_path, raw)
+    cfg_path = helpers.write_config(tmp_path, raw)
     run_dir = tmp_path / "crash"
-    proc = testing.launch(cfg_path, launcher="python", timeout=240,
-                          env=testing.clean_env(VLM_TRAIN_FAULT="kill_during_save:4"))
+    proc = helpers.launch(cfg_path, launcher="python", timeout=240,
+                          env=helpers.clean_env(VLM_TRAIN_FAULT="kill_during_save:4"))
     assert proc.returncode == -9, proc.stdout[-3000:]
     ck = run_dir / "ckpt"
     assert (ck / "step_000004.tmp").is_dir() and not (ck / "step_000004").exists()
     assert (ck / "latest").read_text().strip() == "step_000002"
     assert ckpt.find_checkpoint(ck).name == "step_000002"
-    before = testing.losses(run_dir)
+    before = helpers.losses(run_dir)
     assert sorted(before) == [1, 2, 3, 4]
-    trainer = testing.run_inprocess(raw, tmp_path, resume="auto")
+    trainer = helpers.run_inprocess(raw, tmp_path, resume="auto")
     assert trainer.resumed_from.endswith("step_000002")
-    recs = testing.records(run_dir)
+    recs = helpers.records(run_dir)
     resumed = {r["step"]: r["loss"] for r in recs[4:]}
     assert sorted(resumed) == [3, 4, 5, 6]
     # (the killed run had 1 thread, this process may have more: equal up to summation order)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _train_helpers as helpers
 import pytest
 import torch
 
 from vlm.training import checkpoint as ckpt
-from vlm.training import testing
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "default"
@@ -18,22 +18,22 @@ DATA = ROOT / "data" / "default"
 
 def test_resume_is_exact_single_process(tmp_path):
     """k=3 steps, stop (checkpoint), resume for 3 more: identical to the uninterrupted 6-step run."""
-    full = testing.run_inprocess(testing.config(tmp_path, name="full"), tmp_path)
+    full = helpers.run_inprocess(helpers.config(tmp_path, name="full"), tmp_path)
     assert full.step == 6
-    ref = testing.records(tmp_path / "full")
+    ref = helpers.records(tmp_path / "full")
     assert [r["step"] for r in ref] == [1, 2, 3, 4, 5, 6]
     assert ref[-1]["loss"] < ref[0]["loss"]  # it learns
     for key in ("lm_loss", "ratio_loss", "lb_loss", "z_loss", "ratio", "boundary_prob", "expert_load", "grad_norm",
                 "lr", "tokens_per_s", "mfu"):
         assert key in ref[0], key
     # "crash" after step 3: a run stopped there (same schedule), then resumed into a fresh run dir
-    stop = testing.run_inprocess(testing.config(tmp_path, name="stop", train={"stop_at_step": 3}), tmp_path)
+    stop = helpers.run_inprocess(helpers.config(tmp_path, name="stop", train={"stop_at_step": 3}), tmp_path)
     assert stop.step == 3
-    half = testing.records(tmp_path / "stop")
+    half = helpers.records(tmp_path / "stop")
     assert [r["loss"] for r in half] == [r["loss"] for r in ref[:3]]
-    resumed = testing.run_inprocess(testing.config(tmp_path, name="resumed"), tmp_path,
+    resumed = helpers.run_inprocess(helpers.config(tmp_path, name="resumed"), tmp_path,
                                     resume=str(tmp_path / "stop" / "ckpt" / "step_000003"))
-    rest = testing.records(tmp_path / "resumed")
+    rest = helpers.records(tmp_path / "resumed")
     assert [r["step"] for r in rest] == [4, 5, 6]
     for key in ("loss", "lm_loss", "ratio_loss", "lb_loss", "grad_norm", "lr"):
         assert [r[key] for r in rest] == [r[key] for r in ref[3:]], key
@@ -43,20 +43,20 @@ def test_resume_is_exact_single_process(tmp_path):
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
     from vlm.train import main
 
-    raw = testing.config(tmp_path, name="nan1", train={"max_steps": 5, "fault_nonfinite_steps": [3]},
+    raw = helpers.config(tmp_path, name="nan1", train={"max_steps": 5, "fault_nonfinite_steps": [3]},
                          checkpoint={"every_steps": 0})
-    tr = testing.run_inprocess(raw, tmp_path)
+    tr = helpers.run_inprocess(raw, tmp_path)
     assert tr.step == 5 and tr.skipped_steps == 1 and tr.nonfinite_in_row == 0
-    recs = {r["step"]: r for r in testing.records(tmp_path / "nan1")}
+    recs = {r["step"]: r for r in helpers.records(tmp_path / "nan1")}
     assert recs[3]["nonfinite_loss"] == 1 and recs[3]["skipped_steps"] == 1 and recs[2]["skipped_steps"] == 0
     assert all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
     assert isinstance(recs[5]["loss"], float)
 
     # three in a row abort (exit code 3) and leave the last checkpoint (step 2) as the newest
-    raw = testing.config(tmp_path, name="nan3", train={"max_steps": 8, "fault_nonfinite_steps": [3, 4, 5],
+    raw = helpers.config(tmp_path, name="nan3", train={"max_steps": 8, "fault_nonfinite_steps": [3, 4, 5],
                                                        "max_nonfinite_in_row": 3},
                          checkpoint={"every_steps": 2, "keep_last": 5})
-    path = testing.write_config(tmp_path, raw, "nan3.yaml")
+    path = helpers.write_config(tmp_path, raw, "nan3.yaml")
     assert main(["--config", str(path)]) == 3
     ck = tmp_path / "nan3" / "ckpt"
     names = [p.name for p in ckpt.list_checkpoints(ck)]
@@ -72,34 +72,34 @@ def _cmp(a: dict, b: dict, steps, tol):
 
 def test_two_process_zero2_resume(tmp_path):
     """torchrun, 2 CPU processes, ZeRO-2: 3 steps + resume 3 == the 6-step run (within 1e-6)."""
-    raw = testing.config(tmp_path, name="z2", deepspeed="zero2", train={"grad_accum": 2})
-    proc = testing.launch(testing.write_config(tmp_path, raw, "z2.yaml"), nproc=2, timeout=300)
+    raw = helpers.config(tmp_path, name="z2", deepspeed="zero2", train={"grad_accum": 2})
+    proc = helpers.launch(helpers.write_config(tmp_path, raw, "z2.yaml"), nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    ref = testing.losses(tmp_path / "z2")
+    ref = helpers.losses(tmp_path / "z2")
     assert sorted(ref) == [1, 2, 3, 4, 5, 6]
-    raw_b = testing.config(tmp_path, name="z2b", deepspeed="zero2", train={"grad_accum": 2})
-    proc = testing.launch(testing.write_config(tmp_path, raw_b, "z2b.yaml"), nproc=2, timeout=300,
+    raw_b = helpers.config(tmp_path, name="z2b", deepspeed="zero2", train={"grad_accum": 2})
+    proc = helpers.launch(helpers.write_config(tmp_path, raw_b, "z2b.yaml"), nproc=2, timeout=300,
                           args=["--resume", str(tmp_path / "z2" / "ckpt" / "step_000003")])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    got = testing.losses(tmp_path / "z2b")
+    got = helpers.losses(tmp_path / "z2b")
     assert sorted(got) == [4, 5, 6]
     _cmp(got, ref, [4, 5, 6], 1e-6)
     for key in ("grad_norm", "ratio_loss"):
-        _cmp(testing.losses(tmp_path / "z2b", key), testing.losses(tmp_path / "z2", key), [4, 5, 6], 1e-6)
+        _cmp(helpers.losses(tmp_path / "z2b", key), helpers.losses(tmp_path / "z2", key), [4, 5, 6], 1e-6)
 
 
 def test_two_process_zero3_moe_vlm(tmp_path):
     """deepspeed launcher, 2 CPU processes, ZeRO-3 with every parameter partitioned
     (persistence threshold 0): the MoE blocks are leaf modules, ranks route different tokens to
     different experts, and training finishes (no hang), checkpoints, and exports a loadable model."""
-    raw = testing.config(tmp_path, base=testing.TINY_VLM, name="z3", deepspeed="zero3",
+    raw = helpers.config(tmp_path, base=helpers.TINY_VLM, name="z3", deepspeed="zero3",
                          deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
                          train={"max_steps": 3}, checkpoint={"every_steps": 2, "export_hf": True},
                          model={"moe": {"top_k": 1}})
-    proc = testing.launch(testing.write_config(tmp_path, raw, "z3.yaml"), nproc=2, timeout=300,
+    proc = helpers.launch(helpers.write_config(tmp_path, raw, "z3.yaml"), nproc=2, timeout=300,
                           launcher="deepspeed")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    recs = testing.records(tmp_path / "z3")
+    recs = helpers.records(tmp_path / "z3")
     assert [r["step"] for r in recs] == [1, 2, 3] and all(isinstance(r["loss"], float) for r in recs)
     load = recs[-1]["expert_load"]
     assert len(load) == 4 and all(abs(sum(row) - 1) < 1e-3 for row in load)
@@ -120,10 +120,10 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     from vlm.training.train_config import read_yaml
 
     raw = read_yaml(ROOT / "configs" / "train" / "default.yaml")
-    raw = testing.config(tmp_path, base=raw, name="vlm", train={"max_steps": 3, "micro_batch_size": 8},
+    raw = helpers.config(tmp_path, base=raw, name="vlm", train={"max_steps": 3, "micro_batch_size": 8},
                          log={"every_steps": 1, "progress_bar": False, "tensorboard": True, "visualize_every": 3},
                          checkpoint={"every_steps": 0}, eval={"limit": 6, "batch_size": 6})
-    tr = testing.run_inprocess(raw, tmp_path, finish=True)
+    tr = helpers.run_inprocess(raw, tmp_path, finish=True)
     hf = tmp_path / "vlm" / "hf"
     model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf))
     proc = ConceptMoEVLMProcessor.from_pretrained(str(hf))
@@ -131,7 +131,7 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     summary = (tmp_path / "vlm" / "summary.json").read_text()
     result = json.loads(summary)["eval"]
     assert result["total"] == 6 and 0.0 <= result["accuracy"] <= 1.0 and "ratio_image" in result
-    rec = testing.records(tmp_path / "vlm")[-1]
+    rec = helpers.records(tmp_path / "vlm")[-1]
     assert "ratio_image" in rec and "ratio_text" in rec and "skipped_samples" in rec
     assert any((tmp_path / "vlm" / "tb").iterdir())
     assert (tmp_path / "vlm" / "boundaries" / "step_000003.png").is_file()  # vlm.visualize hook

@@ -8,6 +8,7 @@
 - ``cases.py``: the fault cases (kill -9 at random steps, kill -9 inside a checkpoint write,
   ENOSPC in the writers, a rank dying or stalling) and what each must show.
 - ``soak.py``: a long run with frequent checkpoints: memory, file descriptors, checkpoint count.
+- ``runs.py``: tiny training configs and a clean subprocess environment (also used by the tests).
 - ``__main__.py``: runs them and prints / writes the table (runs/faults/faults.md).
 
 The hooks the cases pull live in ``vlm/training/fault_injection.py``.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
-from vlm.training import testing
 from vlm.training.distributed import free_port
 from vlm.training.train_config import REPO_ROOT
 
@@ -29,14 +29,13 @@ TOL = 1e-6          # fp32: resumed runs must reproduce the reference to this (m
 
 def fault_config(work: Path, name: str, **sections) -> Path:
     """Write the shared 2-process ZeRO-2 tiny-VLM config for run ``name`` under ``work``."""
-    raw = testing.config(work, base=testing.TINY_VLM, name=name, deepspeed="zero2",
-                         train={"max_steps": STEPS, "micro_batch_size": 4, "grad_accum": 1},
-                         log={"every_steps": 1, "progress_bar": False, "tensorboard": False},
-                         checkpoint={"every_steps": CKPT_EVERY, "keep_last": 2, "export_hf": True},
-                         eval={"vqa_json": None})
-    for key, val in sections.items():
-        raw = testing.deep_merge(raw, {key: val}) if isinstance(val, dict) else {**raw, key: val}
-    return testing.write_config(work, raw, f"{name}.yaml")
+    raw = runs.config(work, base=runs.TINY_VLM, name=name, deepspeed="zero2",
+                      train={"max_steps": STEPS, "micro_batch_size": 4, "grad_accum": 1},
+                      log={"every_steps": 1, "progress_bar": False, "tensorboard": False},
+                      checkpoint={"every_steps": CKPT_EVERY, "keep_last": 2, "export_hf": True},
+                      eval={"vqa_json": None})
+    raw = runs.config(work, base=raw, **sections)
+    return runs.write_config(work, raw, f"{name}.yaml")
 
 
 class Run:
@@ -51,7 +50,7 @@ class Run:
         self.run_dir = Path(raw["output_dir"]) / raw["name"]
         self.ckpt_dir = self.run_dir / "ckpt"
         args = ["--config", str(self.config)] + (["--resume", resume] if resume else [])
-        env = testing.clean_env(**({"VLM_TRAIN_FAULT": fault} if fault else {}))
+        env = runs.clean_env(**({"VLM_TRAIN_FAULT": fault} if fault else {}))
         attempt = len(list(self.config.parent.glob(f"{raw['name']}.*.log")))
         self.logs: list[Path] = []
         self.procs: list[subprocess.Popen] = []

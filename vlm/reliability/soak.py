@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
-from vlm.training import testing
 from vlm.training.train_config import REPO_ROOT
 
 KEEP_LAST = 2
@@ -57,7 +57,7 @@ def run_soak(work: Path, steps: int = 2000, ckpt_every: int = 100, log_every: in
     t0 = time.monotonic()
     max_seen = 0
     with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=testing.clean_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=runs.clean_env(), stdout=f, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             max_seen = max(max_seen, len(ckpt.list_checkpoints(ck)))
             time.sleep(0.25)
@@ -66,7 +66,7 @@ def run_soak(work: Path, steps: int = 2000, ckpt_every: int = 100, log_every: in
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         return SoakResult(False, 0, ckpt_every, 0, 0, 0, 0, 0, 0, max_seen, 0, seconds,
                           f"the soak run failed (exit {proc.returncode}): {' | '.join(tail)}")
-    recs = testing.records(run_dir)
+    recs = runs.records(run_dir)
     warm_step = max(1, steps // 10)
     warm = next(r for r in recs if r["step"] >= warm_step)
     end = recs[-1]

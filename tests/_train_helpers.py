@@ -1,0 +1,74 @@
+"""Helpers for the training tests: the tiny configs of ``vlm.reliability.runs`` plus launching
+``vlm.train`` in a subprocess and training in this process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from vlm.reliability.runs import (  # noqa: F401
+    TINY_LM,
+    TINY_VLM,
+    clean_env,
+    config,
+    records,
+    write_config,
+)
+from vlm.training.distributed import free_port
+from vlm.training.train_config import REPO_ROOT
+
+
+def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, launcher: str = "torchrun",
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``vlm.train`` in a subprocess: ``python -m vlm.train`` (nproc=1, launcher='python'),
+    ``torchrun --standalone`` or the ``deepspeed`` launcher. The whole process group is killed on
+    timeout, and the captured output is attached to the raised error."""
+    py = sys.executable
+    if launcher == "python":
+        cmd = [py, "-m", "vlm.train"]
+    elif launcher == "torchrun":
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "vlm.train"]
+    elif launcher == "deepspeed":
+        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port()),
+               "--module", "vlm.train"]
+    else:
+        raise ValueError(launcher)
+    cmd += ["--config", str(config_path), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} timed out after {timeout}s (hang?):\n{out[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """step -> value of ``key`` in the training records (a later line for the same step wins)."""
+    return {int(r["step"]): r.get(key) for r in records(run_dir)}
+
+
+def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False):
+    """Train in this process (world size 1, gloo). Returns the Trainer."""
+    import torch
+
+    from vlm.training.train_config import load_train_config
+    from vlm.training.trainer import Trainer
+
+    cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        try:
+            trainer.fit()
+            if finish:
+                trainer.finish()
+        finally:
+            trainer.close()
+    finally:
+        torch.set_num_threads(threads)  # cpu_threads is process-wide: leave other tests as they were
+    return trainer
