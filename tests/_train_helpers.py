@@ -52,7 +52,7 @@ def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
     return {int(r["step"]): r.get(key) for r in records(run_dir)}
 
 
-def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False):
+def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False, faults=None):
     """Train in this process (world size 1, gloo). Returns the Trainer."""
     import torch
 
@@ -62,7 +62,7 @@ def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool 
     cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))
     threads = torch.get_num_threads()
     try:
-        trainer = Trainer(cfg, resume=resume)
+        trainer = Trainer(cfg, resume=resume, faults=faults)
         try:
             trainer.fit()
             if finish:

@@ -1,15 +1,60 @@
-"""The fault-injection suite's CI subset (`make faults` runs all of it, see vlm/reliability/).
-
-One uninterrupted 2-process ZeRO-2 run is the reference; each case injects a failure into the same
-run, resumes with --resume auto and must end on the reference's parameters exactly."""
+"""Fault injection: the ``Faults`` object (unit tests), then the reliability suite's CI subset
+(`make faults` runs all of it, see vlm/reliability/): one uninterrupted 2-process ZeRO-2 run is the
+reference; each case injects a failure into the same run, resumes with --resume auto and must end
+on the reference's parameters exactly."""
 from __future__ import annotations
 
+import errno
+import signal
+
 import pytest
+import torch
 
 from vlm.reliability import cases
 from vlm.reliability.harness import TOL
 from vlm.reliability.soak import run_soak
+from vlm.training.fault_injection import (
+    ENV,
+    NO_FAULTS,
+    POINTS,
+    Fault,
+    Faults,
+    FaultSpecError,
+    parse,
+)
 from vlm.training.train_config import REPO_ROOT
+
+
+def test_fault_spec_parses_to_named_points():
+    assert parse("kill:before_rename:10, enospc:engine:10:1,nan:loss:3") == [
+        Fault("ckpt.before_rename", 10, 0), Fault("ckpt.engine", 10, 1), Fault("train.loss", 3, 0)]
+    assert parse("kill_during_save:4") == [Fault("ckpt.before_state", 4, 0)]  # old spelling
+    assert parse(None) == parse("") == []
+    for bad in ("kill:nowhere:3", "enospc:before_rename:3", "kill:after_save", "kill:after_save:x", "nan:loss:1:2:3"):
+        with pytest.raises(FaultSpecError, match=ENV):
+            parse(bad)
+    with pytest.raises(FaultSpecError, match="unknown fault point"):
+        Faults([Fault("ckpt.typo", 1)])
+
+
+def test_faults_fire_only_at_their_point_step_and_rank(tmp_path, monkeypatch):
+    kills = []
+    monkeypatch.setattr("os.kill", lambda pid, sig: kills.append(sig))
+    faults = Faults.from_env({ENV: "kill:after_save:4:1,enospc:latest:4"}, nonfinite_steps=[2])
+    faults.at("ckpt.after_save", 4, 0)   # wrong rank
+    faults.at("ckpt.after_save", 3, 1)   # wrong step
+    assert kills == []
+    faults.at("ckpt.after_save", 4, 1)
+    assert kills == [signal.SIGKILL]
+    with pytest.raises(OSError) as err:
+        faults.at("ckpt.latest", 4, 0, tmp_path / "latest.tmp")
+    assert err.value.errno == errno.ENOSPC and "latest.tmp" in str(err.value)
+    with pytest.raises(KeyError, match="no fault point"):
+        faults.at("ckpt.before_renmae", 4, 0)  # a misspelt point is an error, not a silent no-op
+    one = torch.tensor(1.0)
+    assert faults.loss(one, 1, 0) is one
+    assert torch.isnan(faults.loss(one, 2, 0)) and torch.isnan(faults.loss(one, 2, 1))  # config steps: every rank
+    assert not NO_FAULTS and faults and set(POINTS) >= {f.point for f in faults.faults}
 
 
 @pytest.fixture(scope="module")

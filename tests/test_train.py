@@ -40,23 +40,23 @@ def test_resume_is_exact_single_process(tmp_path):
     assert resumed.step == 6
 
 
-def test_nonfinite_steps_are_skipped_then_abort(tmp_path):
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path, monkeypatch):
     from vlm.train import main
+    from vlm.training.fault_injection import ENV, Faults
 
-    raw = helpers.config(tmp_path, name="nan1", train={"max_steps": 5, "fault_nonfinite_steps": [3]},
-                         checkpoint={"every_steps": 0})
-    tr = helpers.run_inprocess(raw, tmp_path)
-    assert tr.step == 5 and tr.skipped_steps == 1 and tr.nonfinite_in_row == 0
+    raw = helpers.config(tmp_path, name="nan1", train={"max_steps": 5}, checkpoint={"every_steps": 0})
+    tr = helpers.run_inprocess(raw, tmp_path, faults=Faults.from_env({ENV: "nan:loss:3"}))
+    assert tr.step == 5 and tr.progress.skipped_steps == 1 and tr.progress.nonfinite_in_row == 0
     recs = {r["step"]: r for r in helpers.records(tmp_path / "nan1")}
     assert recs[3]["nonfinite_loss"] == 1 and recs[3]["skipped_steps"] == 1 and recs[2]["skipped_steps"] == 0
     assert all(torch.isfinite(p).all() for p in tr.engine.module.parameters())
     assert isinstance(recs[5]["loss"], float)
 
     # three in a row abort (exit code 3) and leave the last checkpoint (step 2) as the newest
-    raw = helpers.config(tmp_path, name="nan3", train={"max_steps": 8, "fault_nonfinite_steps": [3, 4, 5],
-                                                       "max_nonfinite_in_row": 3},
+    raw = helpers.config(tmp_path, name="nan3", train={"max_steps": 8, "max_nonfinite_in_row": 3},
                          checkpoint={"every_steps": 2, "keep_last": 5})
     path = helpers.write_config(tmp_path, raw, "nan3.yaml")
+    monkeypatch.setenv(ENV, "nan:loss:3,nan:loss:4,nan:loss:5")
     assert main(["--config", str(path)]) == 3
     ck = tmp_path / "nan3" / "ckpt"
     names = [p.name for p in ckpt.list_checkpoints(ck)]

@@ -1,21 +1,5 @@
-"""Train a ConceptMoE-VL model (or the text-only ConceptMoE LM) with DeepSpeed.
-
-    python -m vlm.train --config configs/train/default.yaml [dotted.key=value ...] [--resume auto|PATH]
-
-The same file runs under every launcher (DeepSpeed is the engine in every mode):
-
-    python -m vlm.train --config C                                   # 1 process (CPU: gloo, fp32)
-    torchrun --nproc_per_node 2 -m vlm.train --config C              # 2 processes, one machine
-    deepspeed --num_gpus 8 -m vlm.train --config C                   # GPUs (bf16, nccl)
-    deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
-
-Overrides: ``train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3`` (see
-``vlm/training/train_config.py``). ``--resume auto`` continues from the newest complete checkpoint
-of the run (``runs/<name>/ckpt``) or starts fresh if there is none; ``--resume PATH`` takes a
-checkpoint folder (``.../step_000123``) or a checkpoint dir. Exit codes: 0 done, 2 config error,
-3 aborted on non-finite steps, 4 a collective failed (another rank died or stalled longer than
-``dist_timeout_s``), 5 a checkpoint could not be written (e.g. disk full; the previous one is intact).
-"""
+"""``python -m vlm.train``: train a ConceptMoE-VL model (or the text-only ConceptMoE LM) with
+DeepSpeed under any launcher; ``--help`` lists the launch modes, overrides and exit codes."""
 from __future__ import annotations
 
 import os
@@ -29,9 +13,29 @@ if __name__ == "__main__" and not __package__:  # `deepspeed vlm/train.py`: make
 
 import argparse
 
+USAGE = """\
+The same command runs under every launcher (DeepSpeed is the engine in every mode):
+
+    python -m vlm.train --config C                                   # 1 process (CPU: gloo, fp32)
+    torchrun --nproc_per_node 2 -m vlm.train --config C              # 2 processes, one machine
+    deepspeed --num_gpus 8 -m vlm.train --config C                   # GPUs (bf16, nccl)
+    deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
+
+Overrides: train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3 (see
+vlm/training/train_config.py). --resume auto continues from the newest complete checkpoint of the
+run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a checkpoint folder
+(.../step_000123) or a checkpoint dir.
+
+Exit codes: 0 done, 2 config error, 3 aborted on non-finite steps, 4 a collective failed (another
+rank died or stalled longer than dist_timeout_s), 5 a checkpoint could not be written (e.g. disk
+full; the previous one is intact).
+"""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vlm.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vlm.train", description="Train a ConceptMoE-VL model (or the "
+                                "text-only ConceptMoE LM) with DeepSpeed.", epilog=USAGE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
     p.add_argument("--resume", default=None, help="'auto' or a checkpoint folder / checkpoint dir")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
@@ -58,17 +62,23 @@ def main(argv=None) -> int:
     _quiet_imports()
     from vlm.config import ConfigError
     from vlm.safe_loading import NotJSONError
-    from vlm.training.checkpoint import CheckpointWriteError, ResumeError, find_checkpoint
+    from vlm.training.checkpoint import (
+        CheckpointWriteError,
+        ResumeError,
+        find_checkpoint,
+    )
+    from vlm.training.fault_injection import Faults, FaultSpecError
     from vlm.training.train_config import load_train_config
 
     try:
         cfg = load_train_config(args.config, args.overrides)
         if args.no_eval:
             cfg.eval.vqa_json = None
+        faults = Faults.from_env(os.environ, nonfinite_steps=cfg.train.fault_nonfinite_steps)  # empty in real runs
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
-        trainer = Trainer(cfg, resume=args.resume)
-    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:  # bad config / resume checkpoint
+        trainer = Trainer(cfg, resume=args.resume, faults=faults)
+    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError, FaultSpecError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     from vlm.training.distributed import collective_failure

@@ -1,38 +1,6 @@
-"""Atomic training checkpoints: DeepSpeed engine state + step + data-loader state + RNG states.
-
-Layout of ``<ckpt_dir>`` (default ``runs/<name>/ckpt``)::
-
-    step_000123/                 one complete checkpoint
-        mp_rank_00_model_states.pt, *optim_states.pt ...   engine.save_checkpoint (model, optimizer,
-                                                            LR scheduler; DeepSpeed's own format)
-        rank_00000.json ...      per rank: RNG states (python, numpy, torch, cuda) + data-loader state
-        trainer_state.json       rank 0, written last: step, counters, world size, config
-    latest                       one line: the name of the newest complete checkpoint
-
-Our own files are JSON (no pickle); the torch RNG state is stored as base64 of its bytes.
-
-Save protocol (every rank calls ``save``; the DeepSpeed part is collective):
- 1. rank 0 removes a stale ``step_000123.tmp/`` left by an earlier crash; barrier;
- 2. ``engine.save_checkpoint(ckpt_dir, tag="step_000123.tmp", save_latest=False)``;
- 3. each rank writes ``rank_<r>.json`` into the tmp folder and fsyncs it; barrier;
- 4. rank 0 writes ``trainer_state.json``, fsyncs every file and the folder, renames
-    ``step_000123.tmp`` -> ``step_000123`` (atomic on one filesystem), fsyncs ``ckpt_dir``, then
-    replaces ``latest`` atomically (write ``latest.tmp``, fsync, ``os.replace``, fsync the folder);
- 5. rank 0 deletes all but the newest ``keep_last`` complete checkpoints (never the new one);
-    barrier.
-A process killed at any point leaves either the previous checkpoint + ``latest`` untouched (kill
-before the rename) or the new one complete (kill after it; ``latest`` may still name the previous
-one, which is also complete). ``find_checkpoint`` never returns a ``.tmp`` folder or one without
-``trainer_state.json`` and all of its ``rank_*.json`` files. The checkpoint folder must be on a
-filesystem that all ranks share (as DeepSpeed itself assumes by default).
-
-A write that fails (a full disk: ``OSError`` ENOSPC, or any other ``OSError``) on any rank makes
-every rank raise ``CheckpointWriteError`` (one line): the ranks agree through one all-reduce, the
-half-written ``.tmp`` folder is removed, ``latest`` is never pointed at it, and the previous
-checkpoint stays the newest complete one.
-
-Fault injection (tests and ``make faults`` only): ``VLM_TRAIN_FAULT``, see ``fault_injection.py``.
-"""
+"""Atomic training checkpoints (DeepSpeed engine state + our JSON: step, counters, data-loader and
+RNG states), the ``latest`` pointer, discovery of the newest complete one, and resume. The layout
+and the save protocol are in ``save``'s docstring."""
 from __future__ import annotations
 
 import base64
@@ -46,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlm.training import fault_injection as inject
 from vlm.safe_loading import read_json
+from vlm.training.fault_injection import NO_FAULTS, Faults
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
@@ -251,9 +219,40 @@ def _write_error(ckpt_dir: Path, name: str, cause: str) -> CheckpointWriteError:
 
 
 def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_state: dict,
-         keep_last: int = 2, rank: int = 0, world_size: int = 1) -> Path:
+         keep_last: int = 2, rank: int = 0, world_size: int = 1, faults: Faults = NO_FAULTS) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder; raises
-    ``CheckpointWriteError`` on every rank if any rank's write failed."""
+    ``CheckpointWriteError`` on every rank if any rank's write failed.
+
+    Layout of ``<ckpt_dir>`` (default ``runs/<name>/ckpt``)::
+
+        step_000123/                 one complete checkpoint
+            mp_rank_00_model_states.pt, *optim_states.pt ...   engine.save_checkpoint (model,
+                                     optimizer, LR scheduler; DeepSpeed's own format)
+            rank_00000.json ...      per rank: RNG states (python, numpy, torch, cuda) + loader state
+            trainer_state.json       rank 0, written last: step, counters, world size, config
+        latest                       one line: the name of the newest complete checkpoint
+
+    Our own files are JSON (no pickle); the torch RNG state is base64 of its bytes.
+
+    Protocol:
+     1. rank 0 removes a stale ``step_000123.tmp/`` left by an earlier crash; barrier;
+     2. ``engine.save_checkpoint(ckpt_dir, tag="step_000123.tmp", save_latest=False)``;
+     3. each rank writes ``rank_<r>.json`` into the tmp folder and fsyncs it; barrier;
+     4. rank 0 writes ``trainer_state.json``, fsyncs every file and the folder, renames
+        ``step_000123.tmp`` -> ``step_000123`` (atomic on one filesystem), fsyncs ``ckpt_dir``, then
+        replaces ``latest`` atomically (write ``latest.tmp``, fsync, ``os.replace``, fsync the folder);
+     5. rank 0 deletes all but the newest ``keep_last`` complete checkpoints (never the new one).
+    A process killed at any point leaves either the previous checkpoint + ``latest`` untouched (kill
+    before the rename) or the new one complete (kill after it; ``latest`` may still name the
+    previous one, also complete). ``find_checkpoint`` never returns a ``.tmp`` folder or one without
+    ``trainer_state.json`` and all of its ``rank_*.json`` files. The checkpoint folder must be on a
+    filesystem all ranks share (as DeepSpeed itself assumes by default).
+
+    A write that fails (``OSError``: ENOSPC or any other) on any rank makes every rank raise
+    ``CheckpointWriteError``: the ranks agree through one all-gather, the half-written ``.tmp`` folder
+    is removed, ``latest`` is never pointed at it, and the previous checkpoint stays the newest.
+
+    ``faults`` (tests and ``make faults`` only) is called at the ``ckpt.*`` fault points."""
     ckpt_dir = Path(ckpt_dir)
     name = step_dir_name(step)
     final, tmp = ckpt_dir / name, ckpt_dir / f"{name}.tmp"
@@ -264,7 +263,7 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
     _barrier()
     err: OSError | None = None
     try:
-        with inject.engine_writer(engine, step, rank):
+        with faults.engine_writer(engine, step, rank):
             engine.save_checkpoint(str(ckpt_dir), tag=tmp.name, client_state={}, save_latest=False)
     except OSError as e:
         # DeepSpeed writes between its tag-validation collective and a closing barrier, which this
@@ -272,10 +271,10 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
         err = e
         _barrier()
     if err is None:
-        inject.kill_point("after_engine", step, rank)
+        faults.at("ckpt.after_engine", step, rank)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            inject.enospc_point("rank_state", step, rank, tmp / rank_file(rank))
+            faults.at("ckpt.rank_state", step, rank, tmp / rank_file(rank))
             write_json(tmp / rank_file(rank), {"rank": rank, "step": step, **rank_state})
         except OSError as e:
             err = e
@@ -287,8 +286,8 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
         raise _write_error(ckpt_dir, name, cause)
     if rank == 0:
         try:
-            _commit(ckpt_dir, name, step, tmp, final, {"format_version": FORMAT_VERSION, "step": step,
-                                                        "world_size": world_size, **trainer_state}, keep_last)
+            state = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, **trainer_state}
+            _commit(ckpt_dir, name, step, tmp, final, state, keep_last, faults)
         except OSError as e:
             err = e
     cause = _first_error(err, rank)
@@ -297,16 +296,17 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
     return final
 
 
-def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state: dict, keep_last: int) -> None:
+def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state: dict, keep_last: int,
+            faults: Faults) -> None:
     """Rank 0: trainer_state.json, fsync, rename, ``latest``, prune. On an OSError before the rename
     the tmp folder is removed; after it, the new checkpoint is complete (``find_checkpoint`` takes it
     even if ``latest`` could not be updated)."""
     try:
-        inject.kill_point("before_state", step, 0)
-        inject.enospc_point("trainer_state", step, 0, tmp / TRAINER_STATE)
+        faults.at("ckpt.before_state", step, 0)
+        faults.at("ckpt.trainer_state", step, 0, tmp / TRAINER_STATE)
         write_json(tmp / TRAINER_STATE, state)
         fsync_tree(tmp)
-        inject.kill_point("before_rename", step, 0)
+        faults.at("ckpt.before_rename", step, 0)
         if final.exists():  # re-saving the same step (e.g. resumed at the final step): replace it
             old = ckpt_dir / f"{name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -319,15 +319,15 @@ def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(ckpt_dir)
-    inject.kill_point("before_latest", step, 0)
+    faults.at("ckpt.before_latest", step, 0)
     try:
-        inject.enospc_point("latest", step, 0, ckpt_dir / (LATEST + ".tmp"))
+        faults.at("ckpt.latest", step, 0, ckpt_dir / (LATEST + ".tmp"))
         atomic_write_text(ckpt_dir / LATEST, name + "\n")
     except OSError:
         (ckpt_dir / (LATEST + ".tmp")).unlink(missing_ok=True)
         raise
     prune(ckpt_dir, keep_last, protect=final)
-    inject.kill_point("after_save", step, 0)
+    faults.at("ckpt.after_save", step, 0)
 
 
 def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:

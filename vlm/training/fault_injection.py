@@ -1,46 +1,61 @@
-"""Fault injection hooks for the reliability suite (``make faults``, tests). Never set in real runs.
-
-``VLM_TRAIN_FAULT`` holds comma-separated faults ``<action>:<point>:<step>[:<rank>]`` (rank 0 if
-omitted). ``checkpoint.save`` calls the hooks at these points of the save of ``<step>``:
-
-    kill:after_engine:S     SIGKILL once DeepSpeed's engine files are written (our metadata not yet)
-    kill:before_state:S     ... once every rank file is written, before trainer_state.json
-    kill:before_rename:S    ... once trainer_state.json is fsynced, before step_S.tmp -> step_S
-    kill:before_latest:S    ... after the rename, before the ``latest`` pointer is replaced
-    kill:after_save:S       ... right after the save completed
-    enospc:engine:S         DeepSpeed's checkpoint writer writes part of a file, then the disk is full
-    enospc:rank_state:S     our per-rank JSON writer hits ENOSPC
-    enospc:trainer_state:S  the trainer_state.json writer hits ENOSPC
-    enospc:latest:S         writing the new ``latest`` pointer hits ENOSPC
-
-The old spellings ``kill_during_save:S`` (= ``kill:before_state:S``) and ``kill_after_save:S`` are
-accepted. ENOSPC is raised as the ``OSError(errno.ENOSPC)`` a full disk gives, from the writer
-itself, so the code under test is the real error path.
-"""
+"""Fault injection for the reliability suite (``make faults``) and tests; empty in real runs. One
+``Faults`` object is built at start-up from ``VLM_TRAIN_FAULT`` (spec in ``parse``) and passed to the
+code that has fault points, which calls e.g. ``faults.at("ckpt.before_rename", step, rank)``."""
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
 import signal
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 ENV = "VLM_TRAIN_FAULT"
-KILL_POINTS = ("after_engine", "before_state", "before_rename", "before_latest", "after_save")
-ENOSPC_POINTS = ("engine", "rank_state", "trainer_state", "latest")
+# (action, name in the spec) -> fault point in the code
+SPEC_POINTS = {
+    **{("kill", p): f"ckpt.{p}" for p in ("after_engine", "before_state", "before_rename", "before_latest",
+                                          "after_save")},
+    **{("enospc", p): f"ckpt.{p}" for p in ("engine", "rank_state", "trainer_state", "latest")},
+    ("nan", "loss"): "train.loss",
+}
+POINTS = {point: action for (action, _), point in SPEC_POINTS.items()}  # fault point -> its action
 ALIASES = {"kill_during_save": ("kill", "before_state"), "kill_after_save": ("kill", "after_save")}
+
+
+class FaultSpecError(ValueError):
+    """A malformed ``VLM_TRAIN_FAULT`` (one line)."""
 
 
 @dataclass(frozen=True)
 class Fault:
-    action: str
-    point: str
+    point: str              # a key of POINTS
     step: int
-    rank: int = 0
+    rank: int | None = 0    # None: every rank
+
+
+def disk_full(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def parse(spec: str | None) -> list[Fault]:
-    """``VLM_TRAIN_FAULT`` -> faults; a malformed entry is a one-line ValueError."""
+    """``VLM_TRAIN_FAULT`` -> faults; a malformed entry raises ``FaultSpecError``.
+
+    The spec: comma-separated ``<action>:<where>:<step>[:<rank>]`` (rank 0 if omitted)::
+
+        kill:after_engine:S     ckpt.after_engine    SIGKILL once DeepSpeed's engine files are written
+        kill:before_state:S     ckpt.before_state    ... rank files written, trainer_state.json not
+        kill:before_rename:S    ckpt.before_rename   ... trainer_state.json fsynced, step_S.tmp not renamed
+        kill:before_latest:S    ckpt.before_latest   ... renamed, ``latest`` not yet replaced
+        kill:after_save:S       ckpt.after_save      ... the save completed
+        enospc:engine:S         ckpt.engine          DeepSpeed's writer writes part of a file, then ENOSPC
+        enospc:rank_state:S     ckpt.rank_state      our per-rank JSON writer hits ENOSPC
+        enospc:trainer_state:S  ckpt.trainer_state   the trainer_state.json writer hits ENOSPC
+        enospc:latest:S         ckpt.latest          writing the new ``latest`` pointer hits ENOSPC
+        nan:loss:S              train.loss           the loss of every micro-batch of step S is NaN
+
+    ``kill_during_save:S`` (= ``kill:before_state:S``) and ``kill_after_save:S`` are accepted too.
+    ENOSPC is the ``OSError(errno.ENOSPC)`` a full disk gives, raised from the writer itself, so the
+    code under test takes its real error path."""
     out = []
     for item in (spec or "").split(","):
         item = item.strip()
@@ -49,50 +64,79 @@ def parse(spec: str | None) -> list[Fault]:
         parts = item.split(":")
         if parts[0] in ALIASES and len(parts) == 2:
             parts = [*ALIASES[parts[0]], parts[1]]
-        points = {"kill": KILL_POINTS, "enospc": ENOSPC_POINTS}.get(parts[0])
-        if points is None or len(parts) not in (3, 4) or parts[1] not in points or not all(
-                p.isdigit() for p in parts[2:]):
-            raise ValueError(f"{ENV}: bad fault {item!r}; expected kill:<{'|'.join(KILL_POINTS)}>:<step>[:<rank>] "
-                             f"or enospc:<{'|'.join(ENOSPC_POINTS)}>:<step>[:<rank>]")
-        out.append(Fault(parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) == 4 else 0))
+        point = SPEC_POINTS.get(tuple(parts[:2]))
+        if point is None or len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[2:]):
+            choices = " | ".join(f"{a}:{w}" for a, w in SPEC_POINTS)
+            raise FaultSpecError(f"{ENV}: bad fault {item!r}; expected <{choices}>:<step>[:<rank>]")
+        out.append(Fault(point, int(parts[2]), int(parts[3]) if len(parts) == 4 else 0))
     return out
 
 
-def _active(action: str, point: str, step: int, rank: int) -> bool:
-    return Fault(action, point, step, rank) in parse(os.environ.get(ENV))
+class Faults:
+    """The faults of one process. Every method is a no-op unless a fault names that point, step and
+    rank; ``Faults()`` (also ``bool(faults) is False``) injects nothing."""
+
+    def __init__(self, faults: Iterable[Fault] = ()):
+        self.faults = frozenset(faults)
+        unknown = sorted({f.point for f in self.faults} - set(POINTS))
+        if unknown:
+            raise FaultSpecError(f"unknown fault point(s) {unknown}; known: {sorted(POINTS)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, nonfinite_steps: Iterable[int] = ()) -> Faults:
+        """``VLM_TRAIN_FAULT`` of ``environ`` (default ``os.environ``) plus NaN losses at
+        ``nonfinite_steps`` on every rank (``train.fault_nonfinite_steps``)."""
+        env = os.environ if environ is None else environ
+        nan = [Fault("train.loss", int(s), None) for s in nonfinite_steps]
+        return cls([*parse(env.get(ENV)), *nan])
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def __repr__(self) -> str:
+        return f"Faults({sorted(self.faults, key=lambda f: (f.step, f.point))})"
+
+    def active(self, point: str, step: int, rank: int) -> bool:
+        if point not in POINTS:
+            raise KeyError(f"no fault point {point!r}; known: {sorted(POINTS)}")
+        return Fault(point, step, rank) in self.faults or Fault(point, step, None) in self.faults
+
+    def at(self, point: str, step: int, rank: int, path: str | os.PathLike | None = None) -> None:
+        """A kill point (SIGKILL this process) or a write point (raise ENOSPC for ``path``)."""
+        if not self.active(point, step, rank):
+            return
+        if POINTS[point] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif POINTS[point] == "enospc":
+            raise disk_full(path)
+        else:
+            raise ValueError(f"fault point {point!r} is not a kill or write point")
+
+    def loss(self, loss, step: int, rank: int):
+        """``train.loss``: ``loss`` turned into NaN at a faulty step (a tensor op, so the NaN flows
+        through backward like a real one); ``loss`` itself otherwise."""
+        return loss * float("nan") if self.active("train.loss", step, rank) else loss
+
+    @contextlib.contextmanager
+    def engine_writer(self, engine, step: int, rank: int) -> Iterator[None]:
+        """``ckpt.engine``: DeepSpeed's checkpoint writer (``engine.checkpoint_engine.save``) writes a
+        few bytes of its first file and then fails with ENOSPC (a disk filling up mid-file)."""
+        ce = getattr(engine, "checkpoint_engine", None)
+        if ce is None or not self.active("ckpt.engine", step, rank):
+            yield
+            return
+        real = ce.save
+
+        def full_disk_save(state_dict, path, *args, **kwargs):
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 partial")
+            raise disk_full(path)
+
+        ce.save = full_disk_save
+        try:
+            yield
+        finally:
+            ce.save = real
 
 
-def kill_point(point: str, step: int, rank: int) -> None:
-    if _active("kill", point, step, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def disk_full(path) -> OSError:
-    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-
-def enospc_point(point: str, step: int, rank: int, path) -> None:
-    if _active("enospc", point, step, rank):
-        raise disk_full(path)
-
-
-@contextlib.contextmanager
-def engine_writer(engine, step: int, rank: int):
-    """With ``enospc:engine:<step>`` for this rank: DeepSpeed's checkpoint writer writes a few
-    bytes of its first file and then fails with ENOSPC (a disk filling up mid-file)."""
-    ce = getattr(engine, "checkpoint_engine", None)
-    if ce is None or not _active("enospc", "engine", step, rank):
-        yield
-        return
-    real = ce.save
-
-    def full_disk_save(state_dict, path, *args, **kwargs):
-        with open(path, "wb") as f:
-            f.write(b"PK\x03\x04 partial")
-        raise disk_full(path)
-
-    ce.save = full_disk_save
-    try:
-        yield
-    finally:
-        ce.save = real
+NO_FAULTS = Faults()

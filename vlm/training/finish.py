@@ -9,64 +9,65 @@ from pathlib import Path
 
 from vlm.training.data import build_model
 from vlm.training.distributed import barrier
+from vlm.training.state import Progress, RunContext
 
 
-def export_hf(tr) -> Path | None:
+def export_hf(ctx: RunContext) -> Path:
     """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0."""
-    out_dir = tr.run_dir / "hf"
-    module = tr.engine.module
-    if tr.zero_stage == 3:
+    out_dir = ctx.run_dir / "hf"
+    module = ctx.module
+    if ctx.zero_stage == 3:
         import deepspeed
 
         params = list(module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if tr.is_main:
+            if ctx.is_main:
                 state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
     else:
-        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if tr.is_main else None
-    if tr.is_main:
-        fresh = build_model(tr.model_config, tr.cfg.model.kind)
+        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if ctx.is_main else None
+    if ctx.is_main:
+        fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
         missing, unexpected = fresh.load_state_dict(state, strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
         fresh.save_pretrained(str(out_dir))
-        if tr.processor is not None:
-            tr.processor.save_pretrained(str(out_dir))
-        elif tr.tokenizer is not None:
-            tr.tokenizer.save_pretrained(str(out_dir))
-        tr.print(f"[train] exported Hugging Face model to {out_dir}")
+        if ctx.processor is not None:
+            ctx.processor.save_pretrained(str(out_dir))
+        elif ctx.tokenizer is not None:
+            ctx.tokenizer.save_pretrained(str(out_dir))
+        ctx.say(f"[train] exported Hugging Face model to {out_dir}")
     barrier()
     return out_dir
 
 
-def evaluate(tr, hf_dir: Path | None) -> dict | None:
+def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
     """Rank 0: held-out digits VQA on the exported model (loaded back with from_pretrained)."""
-    e = tr.cfg.eval
+    e = ctx.cfg.eval
     result = None
-    if tr.is_main and e.vqa_json and tr.cfg.model.kind == "vlm" and tr.processor is not None:
+    if ctx.is_main and e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
         from vlm.training.vqa_eval import digits_vqa_accuracy
 
         if hf_dir is not None and (hf_dir / "config.json").is_file():
             model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
-        elif tr.zero_stage < 3:
-            model = tr.engine.module
+        elif ctx.zero_stage < 3:
+            model = ctx.module
         else:
             model = None
         if model is not None:
-            model = model.to(tr.model_device).float() if tr.device == "cpu" else model.to(tr.model_device)
+            model = model.to(ctx.model_device).float() if ctx.device == "cpu" else model.to(ctx.model_device)
             t0 = time.perf_counter()
-            result = digits_vqa_accuracy(model, tr.processor, e.vqa_json, e.image_root or "", e.limit,
+            result = digits_vqa_accuracy(model, ctx.processor, e.vqa_json, e.image_root or "", e.limit,
                                          batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
             result["eval_time_s"] = time.perf_counter() - t0
     barrier()
     return result
 
 
-def summary_table(tr, eval_result: dict | None) -> str:
-    rec = tr.last_record
-    wall = time.time() - tr.t_start
-    rows = [("steps", f"{tr.step} ({tr.skipped_steps} skipped)"),
+def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: float,
+                  eval_result: dict | None) -> str:
+    rec = progress.last_record
+    rows = [("steps", f"{progress.step} ({progress.skipped_steps} skipped)"),
             ("final train loss (lm)", f"{rec.get('loss', float('nan')):.4f} ({rec.get('lm_loss', float('nan')):.4f})")]
     if eval_result:
         acc = f"{eval_result['accuracy']:.1%} ({eval_result['correct']}/{eval_result['total']})"
@@ -81,31 +82,31 @@ def summary_table(tr, eval_result: dict | None) -> str:
         if key in rec:
             rows.append((f"train achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
                          f"{rec[key]:.2f}"))
-    tps = tr.tokens_seen / tr.train_time_s if tr.train_time_s else float("nan")
+    tps = progress.tokens_seen / progress.train_time_s if progress.train_time_s else float("nan")
     rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
     if "mfu" in rec:
-        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {tr.peak_flops:.3g} FLOP/s/device"))
-    rows.append(("train time", f"{tr.train_time_s:.1f} s"))
-    rows.append(("wall time (incl. startup, export, eval)", f"{wall:.1f} s"))
+        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak_flops:.3g} FLOP/s/device"))
+    rows.append(("train time", f"{progress.train_time_s:.1f} s"))
+    rows.append(("wall time (incl. startup, export, eval)", f"{wall_s:.1f} s"))
     width = max(len(r[0]) for r in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * 34 + "+"
-    body = [line, f"| {'summary: ' + tr.cfg.name:<{width}} | {'':<32} |", line]
+    body = [line, f"| {'summary: ' + name:<{width}} | {'':<32} |", line]
     body += [f"| {k:<{width}} | {v:<32} |" for k, v in rows]
     body.append(line)
     return "\n".join(body)
 
 
-def finish(tr) -> dict:
-    """Export (if asked), eval (if configured), summary table. Collective."""
-    hf_dir = export_hf(tr) if tr.cfg.checkpoint.export_hf else None
-    result = evaluate(tr, hf_dir)
-    table = summary_table(tr, result)
-    if tr.is_main:
+def finish(ctx: RunContext, progress: Progress, peak_flops: float, t_start: float) -> dict:
+    """Collective: export (if asked), eval (if configured), summary table and <run>/summary.json.
+    ``t_start``: the run's start (``time.time()``), for the wall time."""
+    hf_dir = export_hf(ctx) if ctx.cfg.checkpoint.export_hf else None
+    result = evaluate(ctx, hf_dir)
+    table = summary_table(ctx.cfg.name, progress, peak_flops, time.time() - t_start, result)
+    if ctx.is_main:
         print(table, flush=True)
-        with open(tr.run_dir / "summary.json", "w", encoding="utf-8") as f:
-            json.dump({"step": tr.step, "skipped_steps": tr.skipped_steps, "eval": result,
-                       "train_time_s": tr.train_time_s, "wall_time_s": time.time() - tr.t_start,
-                       "tokens_seen": tr.tokens_seen,
-                       "last_metrics": {k: v for k, v in tr.last_record.items() if k != "expert_load"}},
+        with open(ctx.run_dir / "summary.json", "w", encoding="utf-8") as f:
+            json.dump({"step": progress.step, "skipped_steps": progress.skipped_steps, "eval": result,
+                       "train_time_s": progress.train_time_s, "wall_time_s": time.time() - t_start,
+                       "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}

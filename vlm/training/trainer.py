@@ -1,23 +1,5 @@
-"""The training loop: DeepSpeed engine (ZeRO-1/2/3), stages, logging, atomic checkpoints, export.
-
-One optimizer step = ``train.grad_accum`` micro-batches per rank; DeepSpeed scales the loss by
-1/grad_accum, reduces gradients across ranks, clips (``gradient_clipping``), steps the torch AdamW
-and then the LambdaLR. ``self.step`` counts optimizer steps taken or skipped (= ``engine.global_steps``).
-
-Non-finite handling: a non-finite loss makes the gradients non-finite; DeepSpeed's ZeRO optimizer
-then sees an invalid global gradient norm (all-reduced, so every rank agrees), skips the update,
-zeroes the gradients and does not advance the LR schedule (``engine.skipped_steps``). We count
-such steps (also those with a finite loss but a non-finite gradient), log them, and abort with
-``NonFiniteAbort`` after ``train.max_nonfinite_in_row`` in a row -- before any further checkpoint
-is written, so the last good checkpoint stays the newest one.
-
-ZeRO-3: ``MoEFeedForward`` is registered as a leaf module (``set_z3_leaf_modules``): all its expert
-weights are gathered when the block runs, so ranks whose tokens routed to different experts still
-issue identical all-gathers (no desynchronised collectives, no hang). The vision tower is a leaf
-too (timm ViTs use their own position / class tokens outside a submodule's forward), and the
-chunker's W_q / W_k, which ``ConceptMoEModel`` reads directly, are registered as external
-parameters of the causal-LM wrapper (see ``register_zero3_external``).
-"""
+"""The training loop: a DeepSpeed engine (ZeRO-1/2/3) over the model, the data loader, metric
+logging, atomic checkpoints and exact resume; ``finish.py`` does the export / eval afterwards."""
 from __future__ import annotations
 
 import json
@@ -46,6 +28,7 @@ from vlm.training.distributed import (
     init_distributed,
     resolve_device,
 )
+from vlm.training.fault_injection import Faults
 from vlm.training.metrics import (
     MetricsLogger,
     WindowStats,
@@ -54,6 +37,7 @@ from vlm.training.metrics import (
     summarize,
     train_flops_per_token,
 )
+from vlm.training.state import Progress, RunContext
 from vlm.training.train_config import TrainConfig
 from vlm.training.zero3 import prepare_zero3, register_zero3_external
 
@@ -73,8 +57,16 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: str | None = None):
+    """Build everything for ``cfg`` (collective), resume from ``resume`` (``auto`` or a path), then
+    ``fit()`` and ``finish()``. ``faults``: the fault plan (default: ``VLM_TRAIN_FAULT`` and
+    ``train.fault_nonfinite_steps``, read here once)."""
+
+    def __init__(self, cfg: TrainConfig, resume: str | None = None, faults: Faults | None = None):
         self.cfg = cfg
+        self.logger: MetricsLogger | None = None
+        if faults is None:
+            faults = Faults.from_env(nonfinite_steps=cfg.train.fault_nonfinite_steps)
+        self.faults = faults
         self.t_start = time.time()
         self.device = resolve_device(cfg.device)
         info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
@@ -116,17 +108,15 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=optim.scheduler_factory(cfg), config=self.ds_config)
         if self.zero_stage == 3:
             register_zero3_external(self.engine.module)
-        self.model_device = self.engine.device
+        self.ctx = RunContext(cfg=cfg, run_dir=self.run_dir, is_main=self.is_main, zero_stage=self.zero_stage,
+                              device=self.device, model_device=self.engine.device, module=self.engine.module,
+                              model_config=self.model_config, processor=self.processor, tokenizer=self.tokenizer,
+                              say=self.print)
         self.loader = build_loader(cfg, self.engine.module, self.model_config, self.tokenizer, self.processor,
                                    self.rank, self.world_size)
-        # counters
-        self.step = 0
-        self.skipped_steps = 0
-        self.nonfinite_in_row = 0
-        self.tokens_seen = 0
-        self.train_time_s = 0.0
-        self.last_record: dict = {}
-        self.resumed_from = None
+        self.progress = Progress()
+        self.resumed_from: str | None = None
+        self.last_saved_step: int | None = None
         path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
         if resume == "auto" and path is None:
             self.print(f"[train] --resume auto: no complete checkpoint in {cfg.ckpt_dir}, starting fresh")
@@ -141,12 +131,20 @@ class Trainer:
                                     cfg.log.tensorboard, cfg.log.jsonl)
         self._describe()
 
+    # read-only views for callers (vlm/train.py, vlm/compare_jobs.py, tests)
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def last_record(self) -> dict:
+        return self.progress.last_record
+
     # --- helpers --------------------------------------------------------------------------------
     def print(self, text: str) -> None:
         if self.is_main:
-            logger = getattr(self, "logger", None)
-            if logger is not None:
-                logger.write(text)
+            if self.logger is not None:
+                self.logger.write(text)
             else:
                 print(text, flush=True)
 
@@ -185,7 +183,7 @@ class Trainer:
             self.print(line)
 
     def _inputs(self, batch: dict) -> dict:
-        dev = self.model_device
+        dev = self.ctx.model_device
         inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids", "labels",
                                                    "segment_ids") if batch.get(k) is not None}
         if self.cfg.model.kind == "vlm":
@@ -195,36 +193,32 @@ class Trainer:
             inputs["pixel_values"] = pix
         return inputs
 
-    def _next_batch(self) -> dict:
+    @staticmethod
+    def _next_batch(data_iter) -> dict:
         try:
-            return next(self.data_iter)
+            return next(data_iter)
         except StopIteration:
             raise DataExhausted("the data loader is exhausted (data.num_samples reached)") from None
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "nonfinite_in_row": self.nonfinite_in_row,
-                "tokens_seen": self.tokens_seen, "train_time_s": self.train_time_s,
-                "deepspeed": self.cfg.deepspeed, "zero_stage": self.zero_stage, "config": self.cfg.to_dict(),
-                "last_metrics": {k: v for k, v in self.last_record.items() if k != "expert_load"}}
+        return {**self.progress.counters(), "deepspeed": self.cfg.deepspeed, "zero_stage": self.zero_stage,
+                "config": self.cfg.to_dict(), "last_metrics": self.progress.last_metrics()}
 
     def save_checkpoint(self) -> Path:
         rank_state = {"rng": ckpt.rng_state(), "data": self.loader.state_dict()}
         path = ckpt.save(self.engine, self.cfg.ckpt_dir, self.step, self._trainer_state(), rank_state,
-                         keep_last=self.cfg.checkpoint.keep_last, rank=self.rank, world_size=self.world_size)
+                         keep_last=self.cfg.checkpoint.keep_last, rank=self.rank, world_size=self.world_size,
+                         faults=self.faults)
         self.last_saved_step = self.step
         self.print(f"[train] checkpoint step {self.step} -> {path}")
         return path
 
     def _load(self, path: Path) -> None:
         trainer_state, rank_state = ckpt.load(self.engine, path, self.rank, self.world_size)
-        self.step = int(trainer_state["step"])
+        self.progress = Progress.from_checkpoint(trainer_state)
         if self.engine.global_steps != self.step:
             self.engine.global_steps = self.step
-        self.skipped_steps = int(trainer_state.get("skipped_steps", 0))
-        self.nonfinite_in_row = int(trainer_state.get("nonfinite_in_row", 0))
-        self.tokens_seen = int(trainer_state.get("tokens_seen", 0))
-        self.train_time_s = float(trainer_state.get("train_time_s", 0.0))
         self.loader.load_state_dict(rank_state["data"])
         ckpt.set_rng_state(rank_state["rng"])
         self.resumed_from = str(path)
@@ -232,102 +226,109 @@ class Trainer:
 
     # --- training -------------------------------------------------------------------------------
     def fit(self) -> dict:
-        cfg = self.cfg
+        """Train from ``step`` to ``stop_step``; returns step, skipped steps and the last record.
+
+        One optimizer step = ``train.grad_accum`` micro-batches per rank; DeepSpeed scales the loss by
+        1/grad_accum, reduces gradients across ranks, clips, steps AdamW and then the LR schedule.
+        A non-finite loss or gradient makes DeepSpeed's ZeRO optimizer see an invalid global gradient
+        norm (all-reduced: every rank agrees), skip the update and not advance the schedule
+        (``engine.was_step_applied()`` is False). Such steps are counted and logged, and
+        ``train.max_nonfinite_in_row`` of them in a row raise ``NonFiniteAbort`` before any further
+        checkpoint is written, so the last good checkpoint stays the newest one."""
+        cfg, p = self.cfg, self.progress
         self.engine.train()
-        self.data_iter = iter(self.loader)
+        data_iter = iter(self.loader)
         window = WindowStats(self.image_token_id)
         window_steps = 0
         exhausted = False
-        self.last_saved_step = getattr(self, "last_saved_step", None)
-        faults = {int(s) for s in cfg.train.fault_nonfinite_steps}
         t_loop = time.perf_counter()
         try:
-            while self.step < self.stop_step:
-                nonfinite_before = window.nonfinite if self.skipped_steps or faults else 0.0
-                skipped_before = self.engine.skipped_steps
+            while p.step < self.stop_step:
                 try:
                     for _ in range(cfg.train.grad_accum):
-                        batch = self._next_batch()
+                        batch = self._next_batch(data_iter)
                         out = self.engine(**self._inputs(batch))
-                        loss = out.loss
-                        if self.step + 1 in faults:
-                            loss = loss * float("nan")
-                            out.loss = loss
+                        out.loss = self.faults.loss(out.loss, p.step + 1, self.rank)
                         window.add(out, batch)
-                        self.engine.backward(loss)
+                        self.engine.backward(out.loss)
                         self.engine.step()
                 except DataExhausted as err:
-                    self.print(f"[train] stopping at step {self.step}: {err}")
+                    self.print(f"[train] stopping at step {p.step}: {err}")
                     exhausted = True
                     break
-                self.step += 1
+                p.step += 1
                 window_steps += 1
-                skipped = self.engine.skipped_steps - skipped_before > 0 or not getattr(self.engine, "_step_applied", True)
+                skipped = not self.engine.was_step_applied()  # the last step() was the accumulation boundary
                 if skipped:
-                    self.skipped_steps += 1
-                    self.nonfinite_in_row += 1
-                    gn = self.engine.get_global_grad_norm()
-                    what = "loss" if window.nonfinite > nonfinite_before else "gradient"
-                    self.print(f"[train] step {self.step}: non-finite {what} (grad norm {gn}), step skipped "
-                               f"({self.nonfinite_in_row} in a row, {self.skipped_steps} total)")
+                    self._count_skipped(window)
                 else:
-                    self.nonfinite_in_row = 0
+                    p.nonfinite_in_row = 0
                 self.logger.advance()
-                last = self.step >= self.stop_step
-                if self.step % cfg.log.every_steps == 0 or last or skipped:
+                last = p.step >= self.stop_step
+                if p.step % cfg.log.every_steps == 0 or last or skipped:
                     elapsed = time.perf_counter() - t_loop
                     self._log_window(window, elapsed, window_steps)
-                    self.train_time_s += elapsed
+                    p.train_time_s += elapsed
                     window.reset()
                     window_steps = 0
                     t_loop = time.perf_counter()
-                if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
-                    msg = (f"aborting: {self.nonfinite_in_row} non-finite steps in a row (train.max_nonfinite_in_row="
-                           f"{cfg.train.max_nonfinite_in_row}) at step {self.step}; the last good checkpoint is "
+                if p.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+                    msg = (f"aborting: {p.nonfinite_in_row} non-finite steps in a row (train.max_nonfinite_in_row="
+                           f"{cfg.train.max_nonfinite_in_row}) at step {p.step}; the last good checkpoint is "
                            f"{ckpt.find_checkpoint(cfg.ckpt_dir) or 'none'} (left untouched)")
                     self.print(f"[train] {msg}")
                     raise NonFiniteAbort(msg)
-                if cfg.log.visualize_every and self.step % cfg.log.visualize_every == 0:
-                    periodic.boundary_picture(self)
-                if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0 and not last:
-                    periodic.periodic_vqa(self)
-                if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and not last:
+                if cfg.log.visualize_every and p.step % cfg.log.visualize_every == 0:
+                    periodic.boundary_picture(self.ctx, p.step, self.logger.tb)
+                if cfg.eval.every_steps and p.step % cfg.eval.every_steps == 0 and not last:
+                    periodic.periodic_vqa(self.ctx, p.step, self.logger.log)
+                if cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0 and not last:
                     self.save_checkpoint()
             if window.micro and not exhausted:
                 elapsed = time.perf_counter() - t_loop
                 self._log_window(window, elapsed, window_steps)
-                self.train_time_s += elapsed
-            if cfg.checkpoint.save_final and self.last_saved_step != self.step:
+                p.train_time_s += elapsed
+            if cfg.checkpoint.save_final and self.last_saved_step != p.step:
                 self.save_checkpoint()
         finally:
             self.logger.close()
-        return {"step": self.step, "skipped_steps": self.skipped_steps, "last": self.last_record}
+        return {"step": p.step, "skipped_steps": p.skipped_steps, "last": p.last_record}
+
+    def _count_skipped(self, window: WindowStats) -> None:
+        p = self.progress
+        p.skipped_steps += 1
+        p.nonfinite_in_row += 1
+        # every skipped step is logged, which resets the window: a non-finite loss in it is this step's
+        what = "loss" if window.nonfinite > 0 else "gradient"
+        self.print(f"[train] step {p.step}: non-finite {what} (grad norm {self.engine.get_global_grad_norm()}), "
+                   f"step skipped ({p.nonfinite_in_row} in a row, {p.skipped_steps} total)")
 
     def _log_window(self, window: WindowStats, elapsed: float, steps: int) -> None:
+        p = self.progress
         red = window.reduce()  # collective
         skipped_samples = self._skipped_samples()  # collective
-        rec = {"step": self.step, **summarize(red, elapsed, self.world_size)}
-        self.tokens_seen += rec["tokens"]
+        rec = {"step": p.step, **summarize(red, elapsed, self.world_size)}
+        p.tokens_seen += rec["tokens"]
         lrs = self.engine.get_lr()
         rec["lr"] = float(lrs[0]) if lrs else None
         rec["lr_groups"] = {n: float(lr) for n, lr in zip(self.group_names, lrs)}
         gn = self.engine.get_global_grad_norm()
         rec["grad_norm"] = float(gn) if gn is not None else None
-        rec["skipped_steps"] = self.skipped_steps
-        rec["nonfinite_in_row"] = self.nonfinite_in_row
+        rec["skipped_steps"] = p.skipped_steps
+        rec["nonfinite_in_row"] = p.nonfinite_in_row
         rec["skipped_samples"] = skipped_samples
-        rec["tokens_seen"] = self.tokens_seen
+        rec["tokens_seen"] = p.tokens_seen
         fpt = train_flops_per_token(self.text_config, rec["mean_row_len"], rec.get("ratio"))
         if fpt is not None:
             rec["flops_per_token"] = fpt
             rec["mfu"] = rec["tokens_per_s"] * fpt / (self.peak_flops * self.world_size)
         rec["time_s"] = round(time.time() - self.t_start, 3)
         rec.update(process_health())
-        self.last_record = rec
+        p.last_record = rec
         self.logger.log(rec)
 
     def _skipped_samples(self) -> dict:
-        local = dict(getattr(self.loader, "bad_counts", {}) or {})
+        local = dict(getattr(self.loader, "bad_counts", None) or {})  # loaders that drop bad samples count them
         if self.world_size > 1:
             gathered = [None] * self.world_size
             torch.distributed.all_gather_object(gathered, local)
@@ -342,10 +343,10 @@ class Trainer:
     # --- after training (vlm/training/finish.py) -------------------------------------------------
     def finish(self) -> dict:
         """Export (if asked), eval (if configured), summary table. Collective."""
-        return finish.finish(self)
+        return finish.finish(self.ctx, self.progress, self.peak_flops, self.t_start)
 
-    def export_hf(self) -> Path | None:
-        return finish.export_hf(self)
+    def export_hf(self) -> Path:
+        return finish.export_hf(self.ctx)
 
     def close(self) -> None:
         self.logger.close()

@@ -1,4 +1,5 @@
-"""ZeRO-3 preparation: leaf modules and external parameters (see the trainer's module docstring)."""
+"""ZeRO-3 preparation: which modules are gathered whole (leaf modules) and which parameters are
+read outside their module's forward (external parameters)."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,10 @@ def _input_requires_grad(module, args, kwargs):
 
 
 def prepare_zero3(model) -> None:
-    """Leaf modules for ZeRO-3 (see module docstring).
+    """Leaf modules for ZeRO-3. ``MoEFeedForward``: all its experts are gathered when the block
+    runs, so ranks whose tokens routed to different experts still issue identical all-gathers (no
+    desynchronised collectives, no hang). The vision tower: timm ViTs use their own position /
+    class tokens outside a submodule's forward.
 
     DeepSpeed reduces a leaf module's gradients from a full backward hook on that module; when no
     input of the module requires grad (the vision tower reads raw pixels) that hook fires as soon
