@@ -48,9 +48,9 @@ def table(trials: list, soak) -> str:
     if soak is not None:
         lines += ["", "| soak | steps | ckpt every | RSS warm -> end (peak), MiB | growth | open fds | max ckpts | result |",
                   "|---|---:|---:|---|---:|---|---:|---|",
-                  f"| tiny VLM, default data | {soak.steps} | {soak.ckpt_every} | {soak.rss_warm_mib:.0f} -> "
-                  f"{soak.rss_end_mib:.0f} ({soak.rss_peak_mib:.0f}) | {soak.rss_growth:+.1%} | {soak.fds_warm} -> "
-                  f"{soak.fds_end} | {soak.max_ckpts_seen} | {'pass' if soak.ok else 'FAIL'} |"]
+                  (f"| tiny VLM, default data | {soak.steps} | {soak.ckpt_every} | {soak.rss_warm_mib:.0f} -> "
+                   f"{soak.rss_end_mib:.0f} ({soak.rss_peak_mib:.0f}) | {soak.rss_growth:+.1%} | {soak.fds_warm} -> "
+                   f"{soak.fds_end} | {soak.max_ckpts_seen} | {'pass' if soak.ok else 'FAIL'} |")]
     return "\n".join(lines)
 
 

@@ -1,18 +1,6 @@
-"""The fault cases. Each injects one failure into a real 2-process ZeRO-2 CPU run, checks what the
-failure left on disk, resumes with ``--resume auto`` and requires the resumed run to end with the
-reference run's parameters (max |diff| <= 1e-6, fp32) and to redo the lost steps with the same
-losses. A case returns one ``Trial``.
-
-- ``kill9``: SIGKILL one worker (random rank) at a random step, at a random moment within it;
-  the launcher must tear the run down (no hang).
-- ``kill_in_save``: SIGKILL rank 0 inside the step-10 checkpoint write at a named point.
-- ``enospc``: the disk refuses a write during the step-10 save (DeepSpeed's writer, our rank
-  file, trainer_state.json, the ``latest`` pointer): a clear error (exit 5) on every rank, the
-  previous checkpoint intact, nothing half-written marked latest.
-- ``rank_death``: two bare processes (no launcher watching both, as across two nodes); rank 1
-  dies (SIGKILL) or stalls (SIGSTOP): rank 0 must exit with a clear message (exit 4) within a
-  bounded time (the collective timeout, ``dist_timeout_s``).
-"""
+"""The fault cases: each injects one failure into a real 2-process ZeRO-2 CPU run, checks what it
+left on disk, resumes with ``--resume auto`` and requires the resumed run to redo the lost steps
+with the same losses and end on the reference run's parameters (max |diff| <= 1e-6, fp32)."""
 from __future__ import annotations
 
 import random
@@ -87,6 +75,8 @@ def _resume_and_check(config: Path, ref_dir: Path, before: list[dict], expect_fr
 
 
 def kill9(work: Path, ref_dir: Path, trial: int, seed: int) -> Trial:
+    """SIGKILL one worker (random rank) at a random step, at a random moment within it; the
+    launcher must tear the run down (no hang)."""
     rng = random.Random(seed * 1000 + trial)
     target, rank, delay = rng.randint(CKPT_EVERY + 1, STEPS - 8), rng.randrange(2), rng.uniform(0.0, 0.3)
     config = fault_config(work, f"kill9-{trial}")
@@ -134,7 +124,8 @@ def kill_in_save(work: Path, ref_dir: Path, point: str) -> Trial:
 
 
 def enospc(work: Path, ref_dir: Path, point: str, rank: int = 0) -> Trial:
-    """The disk refuses a write at ``point`` (on ``rank``) during the step-10 save."""
+    """The disk refuses a write at ``point`` (on ``rank``) during the step-10 save: a clear error
+    (exit 5) on every rank, the previous checkpoint intact, nothing half-written marked latest."""
     case = f"ENOSPC in checkpoint write: {point} (rank {rank})"
     config = fault_config(work, f"enospc-{point}-r{rank}")
     t0 = time.monotonic()
@@ -158,7 +149,9 @@ def enospc(work: Path, ref_dir: Path, point: str, rank: int = 0) -> Trial:
 
 
 def rank_death(work: Path, ref_dir: Path, mode: str = "dies", at_step: int = 8) -> Trial:
-    """Rank 1 of two bare processes dies (SIGKILL) or stalls (SIGSTOP) after ``at_step``."""
+    """Rank 1 of two bare processes (no launcher watching both, as across two nodes) dies (SIGKILL)
+    or stalls (SIGSTOP) after ``at_step``: rank 0 must exit with a clear message (exit 4) within a
+    bounded time (the collective timeout, ``dist_timeout_s``)."""
     case = f"rank 1 {mode} ({'SIGKILL' if mode == 'dies' else 'SIGSTOP'}), no launcher"
     config = fault_config(work, f"rank-{mode}", dist_timeout_s=STALL_TIMEOUT_S)
     bound = DEATH_BOUND_S + (STALL_TIMEOUT_S if mode == "stalls" else 0)

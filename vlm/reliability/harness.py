@@ -1,10 +1,6 @@
-"""Background training runs for the fault cases: launch, watch progress, kill one rank, compare
-the final weights with an uninterrupted run.
-
-Every case trains the same 2-process ZeRO-2 CPU run of the tiny VLM (synthetic data, fp32): the
-runs differ only in their name and in the fault, so one uninterrupted reference run serves all of
-them, and "nothing lost" is checked as: the final exported parameters equal the reference's.
-"""
+"""Background training runs for the fault cases: launch, watch progress, kill one rank, compare the
+final weights with an uninterrupted run. Every case trains the same 2-process ZeRO-2 CPU run of the
+tiny VLM, so one reference run serves all of them."""
 from __future__ import annotations
 
 import json

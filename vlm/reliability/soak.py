@@ -1,11 +1,6 @@
-"""Soak: a long single-process CPU run of the tiny VLM on the default data with a checkpoint every
-100 steps. The trainer logs its resident memory and open file descriptors with every record
-(``rss_mib``, ``open_fds`` in metrics.jsonl); while it runs we count the checkpoint folders.
-
-Pass: resident memory grows < 5% from the end of warm-up (the first 10% of the steps) to the end,
-the open file descriptors do not grow, and there are never more than keep_last (+1 while a save
-is between its rename and the pruning) complete checkpoints, keep_last at the end.
-"""
+"""Soak: a long single-process CPU run of the tiny VLM on the default data with frequent
+checkpoints; passes if memory, open file descriptors and the checkpoint count stay bounded
+(criteria in ``run_soak``)."""
 from __future__ import annotations
 
 import subprocess
@@ -44,6 +39,11 @@ class SoakResult:
 
 def run_soak(work: Path, steps: int = 2000, ckpt_every: int = 100, log_every: int = 25,
              micro_batch: int = 8) -> SoakResult:
+    """The trainer logs its resident memory and open file descriptors with every record
+    (``rss_mib``, ``open_fds``); while it runs we count the checkpoint folders. Pass: resident
+    memory grows < 5% from the end of warm-up (the first 10% of the steps) to the end, the open
+    file descriptors do not grow, and there are never more than keep_last (+1 while a save is
+    between its rename and the pruning) complete checkpoints, keep_last at the end."""
     name = f"soak-{steps}"
     overrides = [f"name={name}", f"output_dir={work}", f"train.max_steps={steps}",
                  f"train.micro_batch_size={micro_batch}", "train.warmup_steps=10", f"log.every_steps={log_every}",

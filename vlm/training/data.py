@@ -1,14 +1,5 @@
-"""Model, tokenizer / processor and data loaders for the trainer.
-
-``build_model(cfg)``: the VLM (``model.kind: vlm``, ``ConceptMoEVLMConfig.from_yaml(preset)``) or the
-text-only ConceptMoE LM (``kind: lm``). With ``model.tokenizer`` set, the vocabulary size and the
-special-token ids (pad, ``<|end|>`` as eos, ``<image>``, ``<im_start>``, ``<im_end>``) come from the
-tokenizer; without one (synthetic data) fixed ids at the top of the preset's vocabulary are used.
-
-``build_loader(cfg, ...)``: ``data.kind: mixture`` -> ``data_pipelines.mixture.build_loader`` with the
-data YAML (``data.config``) updated by the non-null loader keys of the ``data`` section;
-``data.kind: synthetic`` -> ``SyntheticLoader`` (no files; deterministic, resumable).
-"""
+"""Model, tokenizer / processor and data loaders for the trainer: the real mixture
+(``data_pipelines.mixture``) or a synthetic, deterministic and resumable one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -63,7 +54,10 @@ def synthetic_token_ids(vocab_size: int) -> tuple[dict, dict]:
 
 
 def build_model_config(cfg: TrainConfig, tokenizer=None):
-    """The model config (VLM or LM) from the preset + model overrides + tokenizer ids."""
+    """The model config (VLM or LM) from the preset + model overrides + tokenizer ids. With
+    ``model.tokenizer`` set, the vocabulary size and the special-token ids (pad, ``<|end|>`` as eos,
+    ``<image>``, ``<im_start>``, ``<im_end>``) come from the tokenizer; without one (synthetic data)
+    fixed ids at the top of the preset's vocabulary are used."""
     from vlm.config import ConceptMoEConfig
     from vlm.vlm_config import ConceptMoEVLMConfig
 
@@ -144,6 +138,9 @@ def data_config(cfg: TrainConfig) -> dict:
 
 
 def build_loader(cfg: TrainConfig, model, model_config, tokenizer, processor, rank: int, world_size: int):
+    """``data.kind: mixture``: ``data_pipelines.mixture.build_loader`` with the data YAML
+    (``data.config``) updated by the non-null loader keys of the ``data`` section; ``synthetic``:
+    ``SyntheticLoader`` (no files; deterministic, resumable)."""
     if cfg.data.kind == "synthetic":
         tc = text_config_of(model_config)
         image = None

@@ -1,26 +1,5 @@
 """Process group and DeepSpeed config: the same code path for 1 CPU process, torchrun, and the
-deepspeed launcher on one or many GPU nodes.
-
-Launch modes (all end in ``deepspeed.init_distributed``):
-- plain ``python -m vlm.train``: no launcher env, so we set RANK=0, WORLD_SIZE=1, LOCAL_RANK=0,
-  MASTER_ADDR=127.0.0.1 and a free MASTER_PORT ourselves (``set_env_defaults``);
-- ``torchrun`` / ``deepspeed`` launchers: they set those variables (the deepspeed launcher also
-  passes ``--local_rank``, which ``vlm/train.py`` accepts and ignores in favour of LOCAL_RANK).
-
-Backend: ``gloo`` on CPU, ``nccl`` on CUDA.
-
-Avoiding DeepSpeed's shared-memory comm op on CPU. When DeepSpeed creates its torch comm backend
-(``deepspeed.comm.torch.TorchBackend.__init__``) it calls ``build_shm_op()``, which on the CPU
-accelerator JIT-compiles ``deepspeed_shm_comm`` (csrc/cpu/comm/shm*.cpp) with ninja: about 60 s
-on 2 cores, once per process and cache dir. It is only used by ``inference_all_reduce`` (not by
-training). ``build_shm_op`` gives up (returns None) when the op is marked incompatible in
-``deepspeed.ops.__compatible_ops__`` -- a module-level dict that DeepSpeed builds lazily on first
-access and keeps ("edits to it persist", deepspeed/ops/__init__.py). So before
-``init_distributed`` we set ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False``
-(``disable_shm_comm_op``). There is no environment variable for this in DeepSpeed 0.19
-(``DS_BUILD_SHM_COMM`` only matters for ``pip install`` pre-builds); ``DS_ACCELERATOR=cpu`` selects
-the CPU accelerator but does not stop the build. Set ``VLM_KEEP_DS_SHM_OP=1`` to keep the op.
-"""
+deepspeed launcher on one or many GPU nodes (gloo on CPU, nccl on CUDA)."""
 from __future__ import annotations
 
 import copy
@@ -58,7 +37,16 @@ def resolve_device(requested: str) -> str:
 
 
 def disable_shm_comm_op() -> None:
-    """Keep DeepSpeed from JIT-compiling its CPU shared-memory comm op (see module docstring)."""
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory comm op.
+
+    When DeepSpeed creates its torch comm backend (``deepspeed.comm.torch.TorchBackend.__init__``)
+    it calls ``build_shm_op()``, which on the CPU accelerator JIT-compiles ``deepspeed_shm_comm``
+    with ninja: about 60 s on 2 cores, once per process and cache dir, for an op only
+    ``inference_all_reduce`` uses (not training). ``build_shm_op`` returns None when the op is
+    marked incompatible in ``deepspeed.ops.__compatible_ops__``, a module-level dict DeepSpeed builds
+    on first access and keeps ("edits to it persist", deepspeed/ops/__init__.py); DeepSpeed 0.19 has
+    no public switch for it (``DS_BUILD_SHM_COMM`` only affects pip pre-builds, ``DS_ACCELERATOR=cpu``
+    does not stop the build). Set ``VLM_KEEP_DS_SHM_OP=1`` to keep the op."""
     if os.environ.get("VLM_KEEP_DS_SHM_OP") == "1":
         return
     import deepspeed.ops
@@ -83,7 +71,9 @@ def set_default_collective_timeout(timeout_s: int) -> None:
 
 
 def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None = None) -> dict:
-    """Initialise torch.distributed through DeepSpeed; returns rank / world / local_rank info."""
+    """Initialise torch.distributed through DeepSpeed; returns rank / world / local_rank info.
+    Without a launcher (plain ``python -m vlm.train``) the env of a 1-process group is filled in
+    (``set_env_defaults``); torchrun and the deepspeed launcher set it themselves."""
     set_env_defaults()
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

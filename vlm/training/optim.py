@@ -1,26 +1,5 @@
-"""Model parts, stage freezing, AdamW parameter groups and the warmup + cosine schedule.
-
-Parts (every parameter belongs to exactly one):
-    vision     the vision tower (``model.vision``)
-    projector  vision -> LM projector (``model.projector``)
-    chunker    the ConceptMoE boundary router (``...model.chunker``: W_q, W_k)
-    lm         the rest of the language model (embeddings, layers, concept projections, LM head)
-
-Stages (``train.stage``) say which parts train; ``train.freeze.<part>`` (true/false) overrides:
-    align     projector only (vision and LM frozen)
-    finetune  projector + LM (+ chunker); vision frozen (unfreeze it with freeze.vision=false and
-              give it its own LR with lr_mult.vision)
-    full      everything
-
-Parameter groups: one per (part, decay) pair with ``lr = train.lr * lr_mult.<part>``. No weight
-decay on biases, norm weights (any parameter with fewer than 2 dims), embeddings (``nn.Embedding``
-weights) and ViT position / class / register tokens.
-
-Schedule: linear warmup from lr/warmup to lr over ``warmup_steps``, then cosine from lr down to
-``min_lr_ratio * lr`` at ``max_steps`` (flat after). A ``LambdaLR`` multiplies each group's own lr,
-so the per-part multipliers survive. DeepSpeed steps it once per optimizer step that was applied
-(a skipped, non-finite step does not advance it).
-"""
+"""Model parts, stage freezing, AdamW parameter groups and the warmup + cosine schedule for the
+trainer (``train.stage``, ``train.freeze``, ``train.lr_mult`` of the training config)."""
 from __future__ import annotations
 
 import math
@@ -29,7 +8,11 @@ from collections import Counter
 import torch
 from torch import nn
 
+# Every parameter belongs to exactly one part: vision (the vision tower, ``model.vision``),
+# projector (vision -> LM), chunker (the ConceptMoE boundary router, ``...model.chunker``: W_q, W_k)
+# or lm (the rest of the language model: embeddings, layers, concept projections, LM head).
 PARTS = ("vision", "projector", "chunker", "lm")
+# The parts each ``train.stage`` trains (``train.freeze.<part>`` true / false overrides).
 STAGE_TRAINABLE = {
     "align": {"projector"},
     "finetune": {"projector", "chunker", "lm"},
@@ -120,7 +103,9 @@ def no_decay_names(model: nn.Module) -> set[str]:
 
 
 def param_groups(model: nn.Module, cfg) -> list[dict]:
-    """AdamW groups per (part, decay) over trainable parameters, each with its own lr."""
+    """AdamW groups per (part, decay) over trainable parameters, with ``lr = train.lr *
+    lr_mult.<part>``. No weight decay on biases, norm weights (< 2 dims), embeddings
+    (``nn.Embedding`` weights) and ViT position / class / register tokens."""
     parts = param_parts(model)
     nd = no_decay_names(model)
     groups: dict[tuple[str, bool], list] = {}
@@ -151,7 +136,9 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
 
 
 class WarmupCosine:
-    """LR multiplier at scheduler step ``s`` (0-based: s optimizer steps already applied)."""
+    """LR multiplier at scheduler step ``s`` (0-based: s optimizer steps already applied): linear
+    warmup from 1/warmup to 1 over ``warmup_steps``, then cosine down to ``min_ratio`` at
+    ``max_steps`` (flat after)."""
 
     def __init__(self, warmup_steps: int, max_steps: int, min_ratio: float):
         self.warmup_steps, self.max_steps, self.min_ratio = int(warmup_steps), int(max_steps), float(min_ratio)
@@ -165,7 +152,9 @@ class WarmupCosine:
 
 
 def scheduler_factory(cfg):
-    """A callable that DeepSpeed calls with the (client) optimizer to build the LambdaLR."""
+    """A callable that DeepSpeed calls with the (client) optimizer to build the LambdaLR. LambdaLR
+    multiplies each group's own lr, so the per-part multipliers survive; DeepSpeed steps it once
+    per applied optimizer step (a skipped, non-finite step does not advance it)."""
     fn = WarmupCosine(cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.min_lr_ratio)
 
     def make(optimizer):
