@@ -1,4 +1,6 @@
-"""vlm/modeling/dechunk.py: EMA (loop vs blocked scan), STE, the causal read rule, dechunk.
+"""vlm/modeling/dechunk.py: EMA (loop vs blocked scan), STE, the causal read rule, dechunk; and the
+chunk step continued token by token through a ``ChunkCarry`` (cached decoding) == over the whole
+sequence (boundaries, forced switches, concept merge, EMA).
 
 Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py)."""
 from __future__ import annotations
@@ -6,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm.config import ChunkingConfig
+from vlm.modeling.chunking import IMAGE, TEXT, ChunkCarry, ChunkModule
 from vlm.modeling.dechunk import dechunk, ema_reference, ema_scan, read_index, ste
 
 from _device import DEVICE, dev, require_test_device, tol  # noqa: E402, F401
@@ -94,3 +98,71 @@ def test_dechunk_output_and_gradient_to_p(merge):
     torch.testing.assert_close(g, sign * read.sum(-1).detach())
     z2, _ = dechunk(h, c_hat, cp, p, b, index, merge, scan=False)
     torch.testing.assert_close(z2, z, **tol(1e-6, 1e-6))
+
+
+# the chunk step continued through a carry ----------------------------------------------------------
+def _fractional_sequence(B: int, T: int, D: int, seed: int = 0):
+    """Hidden states, boundaries (first token forced) and fractional p: boundaries in [0.6, 0.9],
+    the other tokens in [0.1, 0.4]."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g)
+    b = torch.rand(B, T, generator=g) < 0.4
+    b[:, 0] = True
+    u = torch.rand(B, T, generator=g) * 0.3
+    p = torch.where(b, 0.6 + u, 0.1 + u)
+    p[:, 0] = 1.0
+    return dev(h, b, p)
+
+
+@pytest.mark.parametrize("merge", ["last", "sum"])
+def test_carry_merge_and_ema_equal_whole_sequence(merge):
+    """A prefix through ``form_concepts`` + ``ChunkCarry.start``, then one token at a time through
+    ``ChunkCarry.merge`` / ``update_ema``: each token reads what ``dechunk``'s read rule gives over
+    the whole sequence (the concept model is stood in for by a fixed per-concept map)."""
+    B, T, D, T0 = 2, 16, 4, 5
+    h, b, p = _fractional_sequence(B, T, D)
+    W = dev(torch.randn(D, D, generator=torch.Generator().manual_seed(1)))
+    def concept_model(x):
+        return torch.tanh(x @ W)
+    ch = dev(ChunkModule(D, ChunkingConfig(concept_merge=merge)))
+    valid = torch.ones_like(b)
+    con = ch.form_concepts(h, b, p, valid, None)
+    ema = ema_scan(concept_model(con.x_BMD), con.prob_BM)
+    idx, ok = read_index(con.index_BT, None, None, merge)
+    want = ema.gather(1, idx[..., None].expand(-1, -1, D)) * ok[..., None]
+    pre = ch.form_concepts(h[:, :T0], b[:, :T0], p[:, :T0], valid[:, :T0], None)
+    carry = ChunkCarry()
+    carry.start(pre, concept_model(pre.x_BMD), merge)
+    torch.testing.assert_close(carry.read(), want[:, T0 - 1], **tol(1e-6, 1e-6))
+    for t in range(T0, T):
+        concept, weight = carry.merge(merge, h[:, t], b[:, t], p[:, t])
+        carry.update_ema(concept_model(concept), weight, b[:, t])
+        torch.testing.assert_close(carry.read(), want[:, t], **tol(1e-6, 1e-6), msg=f"token {t}")
+    assert 0 < int(b[:, T0:].sum()) < b[:, T0:].numel()
+
+
+@pytest.mark.parametrize("policy", ["joint", "split_at_switch"])
+def test_boundaries_through_carry_equal_whole_sequence(policy):
+    """``ChunkModule.boundaries`` over a prefix (starting the carry), then one token at a time,
+    gives the boundaries and p of one call over the whole sequence, modality switches included."""
+    B, T, D, T0 = 2, 14, 8, 4
+    ch = dev(ChunkModule(D, ChunkingConfig(router_init="random", modality_policy=policy))).eval()
+    h = dev(torch.randn(B, T, D, generator=torch.Generator().manual_seed(2)))
+    mod = dev(torch.tensor([[TEXT] * 2 + [IMAGE] * 5 + [TEXT] * 3 + [IMAGE] * 2 + [TEXT] * 2,
+                            [IMAGE] * 6 + [TEXT] * 8]))
+    valid = torch.ones(B, T, dtype=torch.bool, device=h.device)
+    pos = torch.arange(T, device=h.device)[None].expand(B, T)
+    with torch.no_grad():
+        b_all, p_all = ch.boundaries(h, valid, pos, None, mod)
+        carry = ChunkCarry()
+        bs, ps = ch.boundaries(h[:, :T0], valid[:, :T0], pos[:, :T0], None, mod[:, :T0], carry=carry)
+        bs, ps = [bs], [ps]
+        for t in range(T0, T):
+            b_t, p_t = ch.boundaries(h[:, t:t + 1], valid[:, :1], pos[:, t:t + 1], None, mod[:, t:t + 1], carry=carry)
+            bs.append(b_t), ps.append(p_t)
+    free = p_all < 1.0
+    assert float((p_all[free] - 0.5).abs().min()) > 1e-4  # no p on the edge of a flip
+    assert torch.equal(torch.cat(bs, 1), b_all)
+    torch.testing.assert_close(torch.cat(ps, 1), p_all, **tol(1e-6, 1e-6))
+    switch = mod[:, 1:] != mod[:, :-1]
+    assert bool(b_all[:, 1:][switch].all()) == (policy == "split_at_switch")

@@ -1,14 +1,20 @@
 """vlm/modeling/generation.py: cached decoding == repeated full forwards, the concept cache, sampling.
 
-Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py); models are built and modified on
-the CPU, then moved; sampling uses a generator on that device."""
+Routers: "decisive" (p exactly 0 or 1, conftest) and "fractional" (``fractional`` below: p spread
+over (0, 1) a margin away from 0.5, so the EMA carry (1 - p) * ema and the EMA weight of each concept
+are compared too). Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device.py); models are
+built and modified on the CPU, then moved; sampling uses a generator on that device."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from vlm.modeling.chunking import IMAGE, TEXT
 from vlm.modeling.generation import sample_next
+from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.modeling.moe import MoEFeedForward
 
 V = 2048
 
@@ -22,6 +28,62 @@ pytestmark = pytest.mark.device
 
 def left_padded(B: int = 2, T: int = 12, pad: int = 4, seed: int = 1):
     return dev(_left_padded(B, T, pad, seed))
+
+
+# The fractional router: hidden dims 0..2 carry one of five vectors v (text token: class id % 4,
+# image token: class 4), and p_n = 0.5 * (1 - cos(v_{class(n)}, R v_{class(n-1)})). Every one of the
+# 25 class pairs gives p in [0.14, 0.36] U [0.63, 0.86] (checked in ``fractional``).
+ROUTER_V = torch.tensor([[0.53, 0.84, -0.14], [-0.46, 0.61, 0.64], [-0.50, -0.56, 0.66], [0.46, -0.61, -0.64],
+                         [0.52, 0.56, -0.65]])
+ROUTER_R = torch.tensor([[0.62, 0.63, -0.47], [0.78, -0.46, 0.43], [0.05, -0.63, -0.77]])
+MARGIN = ((0.1, 0.4), (0.6, 0.9))
+
+
+def in_margin(p: torch.Tensor) -> torch.Tensor:
+    return ((p > MARGIN[0][0]) & (p < MARGIN[0][1])) | ((p > MARGIN[1][0]) & (p < MARGIN[1][1]))
+
+
+@torch.no_grad()
+def fractional(lm: ConceptMoEForCausalLM, projector=None, scale: float = 0.05) -> ConceptMoEForCausalLM:
+    """Give ``lm`` the fractional router. Dims 0..2 of the chunker's input are exactly scale * v: the
+    token embeddings (and the projector's bias for image tokens, with its weight rows there zeroed)
+    write them and the encoder layers' output rows there are zeroed; W_q reads them, W_k through R."""
+    V, R = ROUTER_V, ROUTER_R
+    P = 0.5 * (1 - F.cosine_similarity(V[:, None], (V @ R.T)[None], dim=-1))
+    assert bool(in_margin(P).all()), P
+    inner = lm.model
+    emb = inner.embed_tokens.weight
+    emb[:, :3] = scale * V[torch.arange(emb.shape[0]) % 4]
+    for layer in inner.encoder:
+        layer.attn.o_proj.weight[:3] = 0
+        ffn = layer.ffn
+        if isinstance(ffn, MoEFeedForward):
+            ffn.w_down[:, :, :3] = 0
+            if ffn.shared is not None:
+                ffn.shared.down_proj.weight[:3] = 0
+        else:
+            ffn.down_proj.weight[:3] = 0
+    ch = inner.chunker
+    ch.q_proj.weight.zero_()
+    ch.q_proj.weight[:3, :3] = torch.eye(3)
+    ch.k_proj.weight.zero_()
+    ch.k_proj.weight[:3, :3] = R
+    if projector is not None:
+        last = projector.proj[-1] if isinstance(projector.proj, nn.Sequential) else projector.proj
+        last.weight[:3] = 0
+        last.bias[:3] = scale * V[4]
+    return lm
+
+
+def check_fractional(out, valid_BT) -> None:
+    """The router really was fractional: every p of a real, unforced token lies in the margin, and
+    the boundaries' p (the EMA weights) take several values."""
+    p, b = out.boundary_probs, out.boundary_mask
+    free = valid_BT.bool() & (p < 1.0)
+    assert bool(in_margin(p[free]).all()), p[free]
+    weights = p[free & b]
+    assert weights.numel() >= 4 and float(weights.max() - weights.min()) > 0.1, weights
+    assert int((free & ~b).sum()) >= 4
 
 
 @torch.no_grad()
@@ -71,35 +133,39 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset, overrides", CASES, ids=[f"{p}-{o}" for p, o in CASES])
-def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset, overrides):
-    """Batch 2, left padding, fp32: generate(do_sample=False) == argmax of repeated full forwards.
-    For ConceptMoE the decode path's boundaries are checked first (decisive router), and each
+def check_cached_equals_full(model, ids, am, new, modality=None, fractional_p=False):
+    """Batch 2, left padding, fp32: the cached path's logits after the prefill and after each fed
+    token equal the full forward's at the same positions, and generate(do_sample=False) == argmax of
+    repeated full forwards. For ConceptMoE the decode path's boundaries are checked first, and each
     concept layer's cache holds one entry per concept ("sum": per completed concept)."""
-    model = tiny_model(preset, **overrides)
-    if model.config.chunking:
-        randomise_joint(make_decisive(model, 3))
-    model = dev(model)
-    ids, am = left_padded()
-    new = 32
-    ref_ids, ref_am, _ = greedy_by_full_forwards(model, ids, am, new)
+    ref_ids, ref_am, ref_mod = greedy_by_full_forwards(model, ids, am, new, modality)
     with torch.no_grad():
-        full = model(ref_ids, attention_mask=ref_am)
-    state, step_logits, bounds = cached_run(model, ids, am, ref_ids[:, ids.shape[1]:])
+        full = model(ref_ids, attention_mask=ref_am, **({} if ref_mod is None else {"modality_ids": ref_mod}))
+    state, step_logits, bounds = cached_run(model, ids, am, ref_ids[:, ids.shape[1]:], modality)
     if model.config.chunking:
+        if fractional_p:
+            check_fractional(full, ref_am)
         assert torch.equal(bounds, full.boundary_mask), "decode path and full forward chunk differently"
         sub = 1 if model.config.concept_merge == "sum" else 0
         for cache in state.concept_caches:
             assert torch.equal(cache.num_entries(), full.num_concepts - sub)
         assert len(state.concept_caches) == len(model.model.schedule)
         assert 0 < int(full.num_concepts.min()) < int(ref_am.sum(1).min())  # real compression
-    # logits of the cached path = the full forward's logits at the same positions
     T = ids.shape[1]
     torch.testing.assert_close(step_logits, full.logits[:, T - 1:], **tol(1e-4, 1e-4))
-    out = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False)
+    out = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False, modality_ids=modality)
     assert out.shape == (2, T + new)
     assert torch.equal(out, ref_ids)
     assert not model.training
+    return full
+
+
+@pytest.mark.parametrize("preset, overrides", CASES, ids=[f"{p}-{o}" for p, o in CASES])
+def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset, overrides):
+    model = tiny_model(preset, **overrides)
+    if model.config.chunking:
+        randomise_joint(make_decisive(model, 3))
+    check_cached_equals_full(dev(model), *left_padded(), 32)
 
 
 def test_split_at_switch_decoding(tiny_model, make_decisive):
@@ -109,14 +175,28 @@ def test_split_at_switch_decoding(tiny_model, make_decisive):
     ids, am = left_padded()
     mod = torch.full_like(ids, TEXT)
     mod[:, 6:] = IMAGE
-    ref_ids, ref_am, ref_mod = greedy_by_full_forwards(model, ids, am, 8, modality=mod)
-    with torch.no_grad():
-        full = model(ref_ids, attention_mask=ref_am, modality_ids=ref_mod)
+    full = check_cached_equals_full(model, ids, am, 8, mod)
     assert bool(full.boundary_mask[:, 12].all())
-    _, _, bounds = cached_run(model, ids, am, ref_ids[:, 12:], modality=mod)
-    assert torch.equal(bounds, full.boundary_mask)
-    out = model.generate(ids, attention_mask=am, max_new_tokens=8, modality_ids=mod)
-    assert torch.equal(out, ref_ids)
+
+
+@pytest.mark.parametrize("key, value", [("boundary_mode", "fixed"), ("concept_merge", "sum"),
+                                        ("modality_policy", "split_at_switch")])
+def test_chunk_config_changed_after_loading(tiny_model, tmp_path, key, value):
+    """Every path reads the live model config: after loading a saved model, changing one chunk
+    setting on ``model.config`` changes the full forward, and cached decoding still equals it."""
+    model = fractional(randomise_joint(tiny_model("tiny_concept", concept_merge="last")))
+    model.save_pretrained(tmp_path)
+    loaded = ConceptMoEForCausalLM.from_pretrained(tmp_path).float().eval()
+    setattr(loaded.config, key, value)
+    model, loaded = dev(model, loaded)
+    ids, am = left_padded()
+    mod = torch.full_like(ids, TEXT)
+    mod[:, 6:] = IMAGE
+    full = check_cached_equals_full(loaded, ids, am, 16, mod, fractional_p=key != "boundary_mode")
+    with torch.no_grad():
+        before = model(ids, attention_mask=am, modality_ids=mod)
+    T = ids.shape[1]
+    assert not torch.allclose(full.logits[:, :T][am.bool()], before.logits[am.bool()], atol=1e-3)
 
 
 def test_sampling_reproducible(tiny_model, make_decisive):

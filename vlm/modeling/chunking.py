@@ -1,21 +1,13 @@
-"""Chunk module: cosine boundary router, boundary noise, the ratio loss, and concept formation.
+"""Chunk module: cosine boundary router, forced boundaries, the ratio loss, concept formation, and
+the carry that continues a sequence in cached decoding.
 
-Boundary router (paper section 3): ``p_n = 0.5 * (1 - cos(W_q h_n, W_k h_{n-1}))``, computed in
-fp32 by ``boundary_prob`` on both the full-forward and the cached-decoding path. A boundary marks
-the FIRST token of a chunk (H-Net convention). Forced boundaries (p = 1): the first real token of
-every sequence / packed segment, and with ``modality_policy="split_at_switch"`` every text<->image
-switch. Training samples ``b ~ Bernoulli(sharpen(p, tau))``; evaluation uses ``b = p >= 0.5``.
-``boundary_mode="fixed"`` puts a boundary every round(R) tokens; ``"all"`` makes every token a
-concept (R = 1, used to check a freshly converted model).
+    p_n = 0.5 * (1 - cos(W_q h_n, W_k h_{n-1}))   (fp32)      b_n = 1[p_n >= 0.5] (eval)
 
-Which concept a token reads (causality; see also dechunk.py):
-- ``concept_merge="last"``: the concept of chunk m is the encoder output of its boundary token,
-  i.e. of the last token seen when the concept is created. Token n reads the concept of its own
-  chunk, whose boundary token is at or before n: causal.
-- ``concept_merge="sum"``: the concept is the sum of the chunk's tokens, only known once the chunk
-  is complete, i.e. once the NEXT boundary fires. Token n in chunk m therefore reads chunk m - 1
-  (the latest completed chunk; nothing for the first chunk of a sequence): all its tokens lie
-  before n, and the boundary that completed it is at or before n: causal.
+A boundary marks the FIRST token of a chunk (H-Net). Which concept a token reads (causality):
+- ``concept_merge="last"``: a chunk's concept is its boundary token's vector; token n reads its own
+  chunk, whose boundary token is at or before n.
+- ``concept_merge="sum"``: a chunk's concept is the sum of its tokens, known only once the NEXT
+  boundary closes it; token n therefore reads the latest completed chunk (the previous one).
 """
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlm.config import ChunkingConfig
+from vlm.modeling.dechunk import ema_scan, ema_step
 
 IMAGE, TEXT = 1, 0  # modality ids
 
@@ -55,14 +47,27 @@ def ratio_loss(p_BT: torch.Tensor, b_BT: torch.Tensor, valid_BT: torch.Tensor, R
     return R / (R - 1.0) * ((R - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))
 
 
-def forced_boundaries(valid_BT, segment_BT, modality_BT, split_at_switch: bool) -> torch.Tensor:
-    """First real token of each row / segment, plus modality switches when asked."""
-    prev_valid = F.pad(valid_BT[:, :-1], (1, 0), value=False)
+def _delay(x_BT: torch.Tensor, first) -> torch.Tensor:
+    """x one step later: column t holds x[:, t - 1]; column 0 gets ``first`` (a value or [B])."""
+    first_B1 = first[:, None].to(x_BT.dtype) if torch.is_tensor(first) else torch.full_like(x_BT[:, :1], first)
+    return torch.cat([first_B1, x_BT[:, :-1]], 1)
+
+
+def forced_boundaries(valid_BT, segment_BT, modality_BT, split_at_switch: bool, carry=None) -> torch.Tensor:
+    """Boundaries forced to p = 1: the first real token of each row and of each packed segment, and
+    with ``split_at_switch`` every modality change between two real tokens.
+
+    ``carry`` (a started ``ChunkCarry``) continues a sequence: the token before column 0 is its last
+    token, which is real, of the same segment, with modality ``carry.prev_modality_B``.
+    """
+    cont = carry is not None and carry.started
+    prev_valid = _delay(valid_BT, cont)
     forced = valid_BT & ~prev_valid
     if segment_BT is not None:
-        forced |= valid_BT & (segment_BT != F.pad(segment_BT[:, :-1], (1, 0), value=-1))
+        forced |= valid_BT & (segment_BT != _delay(segment_BT, segment_BT[:, 0] if cont else -1))
     if split_at_switch and modality_BT is not None:
-        forced |= valid_BT & prev_valid & (modality_BT != F.pad(modality_BT[:, :-1], (1, 0), value=-1))
+        prev_mod = carry.prev_modality_B if cont and carry.prev_modality_B is not None else -1
+        forced |= valid_BT & prev_valid & (modality_BT != _delay(modality_BT, prev_mod))
     return forced
 
 
@@ -77,9 +82,77 @@ class Concepts:
     index_BT: torch.Tensor  # chunk index of every token (-1 = padding)
     count_B: torch.Tensor  # concepts per row
 
+    def completed_B(self, merge: str) -> torch.Tensor:
+        """Concepts per row that tokens after this sequence can read: all for "last", all but the
+        still-open last chunk for "sum" (what the concept caches keep)."""
+        return (self.count_B - (1 if merge == "sum" else 0)).clamp(min=0)
+
+
+@dataclass(kw_only=True)
+class ChunkCarry:
+    """Per-row chunk state between calls, so cached decoding continues a sequence exactly as the
+    full forward would. Empty (all None) until a first call over a whole sequence (the prefill).
+
+    prev_k_BD        router key W_k h of the last token (fp32): the next p needs k_{n-1}
+    prev_modality_B  modality of the last token (None without modality ids): switch boundaries
+    ema_BD           EMA of the latest completed concept, the one the next token reads
+    has_ema_B        whether that concept exists
+    run_sum_BD       "sum" only: running sum of the open chunk's tokens
+    run_p_B          "sum" only: p of the open chunk's boundary token (its EMA weight once closed)
+
+    Written by ``ChunkModule.boundaries`` (router fields), ``start`` (after the prefill's concept
+    model) and ``merge`` / ``update_ema`` (one token at a time).
+    """
+    prev_k_BD: torch.Tensor | None = None
+    prev_modality_B: torch.Tensor | None = None
+    ema_BD: torch.Tensor | None = None
+    has_ema_B: torch.Tensor | None = None
+    run_sum_BD: torch.Tensor | None = None
+    run_p_B: torch.Tensor | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.prev_k_BD is not None
+
+    def start(self, con: Concepts, c_hat_BMD: torch.Tensor, merge: str) -> None:
+        """After a whole sequence (the prefill): the EMA the next token reads and the open chunk."""
+        rows = torch.arange(con.count_B.shape[0], device=con.count_B.device)
+        done_B = con.completed_B(merge)
+        ema_BMD = ema_scan(c_hat_BMD, con.prob_BM)
+        self.ema_BD = ema_BMD[rows, (done_B - 1).clamp(min=0)]
+        self.has_ema_B = done_B > 0
+        if merge == "sum":
+            last = (con.count_B - 1).clamp(min=0)
+            self.run_sum_BD, self.run_p_B = con.x_BMD[rows, last], con.prob_BM[rows, last]
+
+    def merge(self, merge: str, h_BD, b_B, p_B) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of ``form_concepts``: where ``b_B``, the concept that completes at this token and
+        its EMA weight. "last": the boundary token itself, with its own p. "sum": the chunk this
+        boundary closes (its running sum), with the p of THAT chunk's boundary token."""
+        if merge == "last":
+            return h_BD, p_B
+        concept_BD, weight_B = self.run_sum_BD, self.run_p_B
+        self.run_sum_BD = torch.where(b_B[:, None], h_BD, self.run_sum_BD + h_BD)
+        self.run_p_B = torch.where(b_B, p_B, self.run_p_B)
+        return concept_BD, weight_B
+
+    def update_ema(self, c_hat_BD, weight_B, commit_B) -> None:
+        """The EMA recurrence (``dechunk.ema_step``) for rows where a concept completed."""
+        new_BD = ema_step(self.ema_BD, c_hat_BD, weight_B)
+        self.ema_BD = torch.where(commit_B[:, None], new_BD, self.ema_BD)
+        self.has_ema_B = self.has_ema_B | commit_B
+
+    def read(self) -> torch.Tensor:
+        """The concept signal the next token reads (zero before the first readable concept)."""
+        return self.ema_BD * self.has_ema_B[:, None].to(self.ema_BD.dtype)
+
 
 class ChunkModule(nn.Module):
-    def __init__(self, hidden: int, cfg: ChunkingConfig):
+    """Router + chunk rules. ``cfg`` is the model config object itself (a ``ChunkingConfig`` in unit
+    tests), read at every call and never copied: the full forward, dechunk and cached decoding all
+    see one config, so a setting changed after construction (e.g. ``boundary_mode``) applies to all."""
+
+    def __init__(self, hidden: int, cfg):
         super().__init__()
         self.cfg = cfg
         self.q_proj = nn.Linear(hidden, hidden, bias=False)
@@ -96,14 +169,16 @@ class ChunkModule(nn.Module):
 
     # boundaries ---------------------------------------------------------------------------------
     def query_key(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q = W_q h, k = W_k h in fp32 (the same call on the full and the cached path)."""
+        """q = W_q h, k = W_k h in fp32."""
         h32 = h_BTD.float()
         return F.linear(h32, self.q_proj.weight.float()), F.linear(h32, self.k_proj.weight.float())
 
-    def probs(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        """Router probabilities of a whole sequence (position 0 is overwritten by forcing)."""
+    def probs(self, h_BTD: torch.Tensor, k_prev_BD: torch.Tensor | None = None) -> torch.Tensor:
+        """Router probabilities; ``k_prev_BD`` is the key of the token before column 0 (decoding),
+        else a zero key (p = 0.5 at position 0, which forcing overwrites)."""
         q, k = self.query_key(h_BTD)
-        return boundary_prob(q, F.pad(k[:, :-1], (0, 0, 1, 0)))
+        first = k_prev_BD[:, None] if k_prev_BD is not None else torch.zeros_like(k[:, :1])
+        return boundary_prob(q, torch.cat([first, k[:, :-1]], 1))
 
     def decide(self, p_BT, forced_BT, valid_BT, position_BT) -> tuple[torch.Tensor, torch.Tensor]:
         """Hard boundaries b and the probabilities p actually used (forced -> 1, padding -> 0)."""
@@ -124,6 +199,22 @@ class ChunkModule(nn.Module):
         b = (b | forced_BT) & valid_BT
         p_BT = torch.where(forced_BT, torch.ones_like(p_BT), p_BT) * valid_BT
         return b, p_BT
+
+    def boundaries(self, h_BTD, valid_BT, position_BT, segment_BT=None, modality_BT=None,
+                   carry: ChunkCarry | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The boundary step of both paths: forced boundaries, router p, ``decide``. Returns b and the
+        p used. Over a whole sequence ``carry`` is None or empty (then it is started); in cached
+        decoding it holds the tokens before column 0. A given carry ends at the last column, which
+        must be a real token (left padding)."""
+        split = self.cfg.modality_policy == "split_at_switch"
+        forced_BT = forced_boundaries(valid_BT, segment_BT, modality_BT, split, carry)
+        k_prev = carry.prev_k_BD if carry is not None and carry.started else None
+        p_BT = self.probs(h_BTD) if k_prev is None else self.probs(h_BTD, k_prev)
+        b_BT, p_BT = self.decide(p_BT, forced_BT, valid_BT, position_BT)
+        if carry is not None:
+            carry.prev_k_BD = self.query_key(h_BTD[:, -1:])[1][:, 0]
+            carry.prev_modality_B = modality_BT[:, -1] if modality_BT is not None else None
+        return b_BT, p_BT
 
     def aux_loss(self, p_BT, b_BT, valid_BT, modality_BT) -> torch.Tensor:
         cfg = self.cfg
@@ -161,3 +252,4 @@ class ChunkModule(nn.Module):
             first = torch.where(starts, arange_M, torch.zeros_like(arange_M)).cummax(1).values
             position_BM = arange_M - first
         return Concepts(x_BMD, valid_BM, position_BM, segment_BM, prob_BM, index_BT, count_B)
+

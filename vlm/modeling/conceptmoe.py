@@ -6,8 +6,8 @@ width d_c, top-k ``concept_top_k``, optionally looped) and L_D decoder layers (t
 use joint decoding). Parameter names are identical in both modes, so a trained baseline converts
 to a ConceptMoE by copying its weights (see ``vlm/convert.py``).
 
-The model holds no training, distributed or file code. ``forward`` also fills a
-``DecodeState`` (``vlm/modeling/generation.py``) when one is given: that is the prefill.
+The model holds no training, distributed or file code. ``forward(state=...)`` is the prefill of
+cached decoding: see ``DecodeState`` (generation.py) for what it fills.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn as nn
 from vlm.config import ConceptMoEConfig
 from vlm.modeling.attention import RMSNorm, causal_mask, rope_cos_sin
 from vlm.modeling.blocks import TransformerBlock
-from vlm.modeling.chunking import IMAGE, TEXT, ChunkModule, forced_boundaries
+from vlm.modeling.chunking import IMAGE, TEXT, ChunkModule
 from vlm.modeling.dechunk import dechunk
 
 
@@ -63,7 +63,7 @@ class ConceptMoEModel(nn.Module):
         self.n_enc, self.n_con = n_enc, n_con
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         if cfg.chunking:
-            self.chunker = ChunkModule(d, cfg.chunk)
+            self.chunker = ChunkModule(d, cfg)  # the live config, not a copy
             if d_c != d:
                 self.concept_in = nn.Linear(d, d_c, bias=False)
                 self.concept_out = nn.Linear(d_c, d, bias=False)
@@ -135,9 +135,8 @@ class ConceptMoEModel(nn.Module):
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
                  stats, out, state, tok_fill):
         cfg, ch = self.cfg, self.chunker
-        forced = forced_boundaries(valid_BT, segment_ids, modality_ids, cfg.modality_policy == "split_at_switch")
-        p_raw = ch.probs(h)
-        b_BT, p_BT = ch.decide(p_raw, forced, valid_BT, position_ids)
+        merge = cfg.concept_merge
+        b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
         out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
         con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
         c_in = self.to_concept(con.x_BMD)
@@ -146,8 +145,9 @@ class ConceptMoEModel(nn.Module):
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         c = c_in
         cfill = None
-        if state is not None:
-            cfill = state.concept_fill(con, cfg.concept_merge)
+        if state is not None:  # concept caches keep the completed concepts only
+            done_B = con.completed_B(merge)
+            cfill = (torch.arange(con.valid_BM.shape[1], device=h.device)[None] < done_B[:, None], done_B)
         cval = con.valid_BM if has_cpad else None
         for slot, li in enumerate(self.schedule):
             cache = state.concept_caches[slot] if state is not None else None
@@ -155,10 +155,10 @@ class ConceptMoEModel(nn.Module):
             if st is not None:
                 stats.append(st)
         c_hat = self.from_concept(c - c_in)  # the concept model's update (see dechunk.py)
-        z, read_BTD = dechunk(h, c_hat, con.prob_BM, p_BT, b_BT, con.index_BT, cfg.concept_merge,
+        z, read_BTD = dechunk(h, c_hat, con.prob_BM, p_BT, b_BT, con.index_BT, merge,
                               con.segment_BM, segment_ids)
         if state is not None:
-            state.after_prefill(self, h, con, c_hat, position_ids, modality_ids)
+            state.start(con, c_hat, merge)
         caches = state.token_caches[self.n_enc:] if state is not None else None
         z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B

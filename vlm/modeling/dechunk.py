@@ -3,14 +3,11 @@
     c_ema_m = p_m * c_hat_m + (1 - p_m) * c_ema_{m-1}      (p_m: p of chunk m's boundary token)
     z_n     = h_hat_n + STE(s_n) * c_ema_{read(n)},  s_n = p_n if b_n else 1 - p_n
 
-``read(n)`` is chosen by the concept merge (see chunking.py): the token's own chunk for "last",
-the previous (completed) chunk of the same segment for "sum". ``c_hat`` is the concept model's
-update (its output minus its input), so the identity residual ``h_hat`` is not counted twice and a
-model whose every token is a concept (R = 1, ``boundary_mode="all"``) equals the plain MoE.
-
-``ema_reference`` is the plain loop (tests); ``ema_scan`` is the fast blocked scan: inside blocks
-of Q concepts a [Q, Q] decay matrix built from a stable masked-cumsum segment sum, across blocks
-a short carry loop. Both agree within 1e-5 in fp32.
+``read(n)``: the token's own chunk for "last", the previous (completed) chunk of the same segment
+for "sum" (chunking.py). ``c_hat`` is the concept model's update (output minus input), so the
+identity residual is not counted twice and R = 1 (``boundary_mode="all"``) equals the plain MoE.
+``ema_step`` is the recurrence (the plain loop ``ema_reference`` and cached decoding use it);
+``ema_scan`` is the fast blocked scan of the same recurrence, equal within 1e-5 in fp32.
 """
 from __future__ import annotations
 
@@ -23,11 +20,17 @@ def ste(s: torch.Tensor) -> torch.Tensor:
     return 1.0 + (s - s.detach())
 
 
+def ema_step(prev_BD: torch.Tensor, c_hat_BD: torch.Tensor, p_B: torch.Tensor) -> torch.Tensor:
+    """One step of the EMA: p * c_hat + (1 - p) * prev."""
+    p = p_B[:, None].to(c_hat_BD.dtype)
+    return p * c_hat_BD + (1 - p) * prev_BD
+
+
 def ema_reference(c_BMD: torch.Tensor, p_BM: torch.Tensor) -> torch.Tensor:
+    """The plain loop over concepts (reference for ``ema_scan``)."""
     out, prev = [], torch.zeros_like(c_BMD[:, 0])
     for m in range(c_BMD.shape[1]):
-        p = p_BM[:, m, None].to(c_BMD.dtype)
-        prev = p * c_BMD[:, m] + (1 - p) * prev
+        prev = ema_step(prev, c_BMD[:, m], p_BM[:, m])
         out.append(prev)
     return torch.stack(out, 1)
 
@@ -52,8 +55,8 @@ def ema_scan(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) -> torch.
         x_BMD = F.pad(x_BMD, (0, 0, 0, pad))
         p = F.pad(p, (0, pad), value=1.0)
     nb = x_BMD.shape[1] // Q
-    # log(1 - p) with the value clamped (p = 1 would give log 0) but the true gradient kept: a
-    # plain clamp zeroed d/dp at p = 1 exactly, so the scan's gradient differed from the loop's.
+    # log(1 - p): the value is clamped away from log 0 (p = 1), the gradient is the unclamped one
+    # (a plain clamp would give d/dp = 0 at p = 1, unlike the loop).
     a = 1.0 - p
     a = a + (a.clamp(min=1e-12) - a).detach()
     log_a = torch.log(a).view(B, nb, Q)

@@ -1,16 +1,10 @@
-"""Step-wise decoding with token KV caches and the compressed concept cache.
+"""Cached decoding: token KV caches, the compressed concept cache, and the sampling loop.
 
-Prefill runs the ordinary forward over the prompt with a ``DecodeState``: every token layer's cache
-is filled, and each concept layer's cache receives one entry per COMPLETED concept. Each new token
-then runs the encoder layers, decides its boundary online from the cached previous router key
-(``boundary_prob``, the same fp32 formula as the full forward), steps the concept model only when a
-new concept is complete (one cache entry per concept; rows without a new concept discard the step),
-updates the EMA, and runs the decoder layers. ``concept_merge="last"`` steps the concept model with
-the new boundary token itself; ``"sum"`` steps it with the running sum of the chunk the boundary
-just closed (see chunking.py for why that is causal).
-
-``decode_loop`` is the sampling loop (greedy, temperature, top-p, top-k, eos) used by the HF
-wrappers' ``generate``.
+The prefill is the ordinary forward over the prompt with a ``DecodeState``. Each new token then
+runs the encoder layers, the chunk step (the same boundary rule, concept merge and EMA recurrence
+as the full forward, continued through the state's ``ChunkCarry``), the concept model only where a
+concept completes (one cache entry per concept), and the decoder layers. ``decode_loop`` is the
+sampling loop (greedy, temperature, top-p, top-k, eos) behind the HF wrappers' ``generate``.
 """
 from __future__ import annotations
 
@@ -19,21 +13,22 @@ from dataclasses import dataclass
 import torch
 
 from vlm.modeling.attention import KVCache
-from vlm.modeling.chunking import IMAGE, boundary_prob
+from vlm.modeling.chunking import TEXT, ChunkCarry
 from vlm.modeling.conceptmoe import ConceptMoEModel
 
 
 @dataclass
-class DecodeState:
+class DecodeState(ChunkCarry):
+    """Everything cached decoding carries from one token to the next.
+
+    ``ConceptMoEModel.forward(state=...)`` (the prefill, on a fresh state) fills ``token_caches``
+    (encoder then decoder layers; every token), ``concept_caches`` (one per entry of the concept
+    schedule; the completed concepts, ``Concepts.completed_B``), ``next_pos_B`` and the
+    ``ChunkCarry`` fields; ``decode_step`` continues from there.
+    """
     token_caches: list
     concept_caches: list
     next_pos_B: torch.Tensor | None = None
-    prev_k_BD: torch.Tensor | None = None
-    ema_BD: torch.Tensor | None = None  # EMA of the concept tokens currently read
-    has_ema_B: torch.Tensor | None = None
-    run_sum_BD: torch.Tensor | None = None  # "sum": running sum of the open chunk
-    run_p_B: torch.Tensor | None = None  # "sum": p of the open chunk's boundary token
-    prev_modality_B: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype) -> "DecodeState":
@@ -43,33 +38,7 @@ class DecodeState:
             return KVCache(batch, kv, capacity, layer.attn.head_dim, device, dtype)
         token_layers = list(model.encoder) + list(model.decoder)
         concept = [cache(model.concept_model[i]) for i in model.schedule]
-        return cls([cache(l) for l in token_layers], concept)
-
-    # prefill hooks (called by ConceptMoEModel.forward) -----------------------------------------
-    def concept_fill(self, con, merge: str):
-        """Concept caches keep completed concepts only: "sum" drops the still-open last chunk."""
-        count = con.count_B - (1 if merge == "sum" else 0)
-        valid = torch.arange(con.valid_BM.shape[1], device=count.device)[None] < count[:, None]
-        return valid, count.clamp(min=0)
-
-    def after_prefill(self, model, h_BTD, con, c_hat_BMD, position_BT, modality_BT):
-        from vlm.modeling.dechunk import ema_scan
-        B = h_BTD.shape[0]
-        rows = torch.arange(B, device=h_BTD.device)
-        _, k = model.chunker.query_key(h_BTD[:, -1:])
-        self.prev_k_BD = k[:, 0]
-        ema_BMD = ema_scan(c_hat_BMD, con.prob_BM)
-        last = (con.count_B - 1).clamp(min=0)
-        if model.cfg.concept_merge == "last":
-            self.ema_BD = ema_BMD[rows, last]
-            self.has_ema_B = con.count_B > 0
-        else:
-            prev = (con.count_B - 2).clamp(min=0)
-            self.ema_BD = ema_BMD[rows, prev]
-            self.has_ema_B = con.count_B > 1
-            self.run_sum_BD = con.x_BMD[rows, last]
-            self.run_p_B = con.prob_BM[rows, last]
-        self.prev_modality_B = modality_BT[:, -1] if modality_BT is not None else None
+        return cls([cache(layer) for layer in token_layers], concept)
 
 
 @torch.no_grad()
@@ -84,7 +53,7 @@ def decode_step(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.
         cache.advance()
     concept = None
     if cfg.chunking:
-        x, concept = _chunk_step(model, state, x, pos)
+        x, concept = chunk_step(model, state, x, pos)
     for layer, cache in zip(model.decoder, state.token_caches[model.n_enc:]):
         x, _ = layer(x, cos_sin, cache=cache, concept_BTD=concept if layer.attn.joint else None)
         cache.advance()
@@ -92,47 +61,32 @@ def decode_step(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.
     return model.norm(x)
 
 
-def _chunk_step(model: ConceptMoEModel, state: DecodeState, h_B1D, pos_B1):
-    cfg, ch = model.cfg, model.chunker
-    q, k = ch.query_key(h_B1D)
-    p_B = boundary_prob(q[:, 0], state.prev_k_BD)
-    state.prev_k_BD = k[:, 0]
-    if cfg.boundary_mode == "dynamic":
-        b_B = p_B >= 0.5
-    elif cfg.boundary_mode == "fixed":
-        b_B = (pos_B1[:, 0] % max(1, int(round(cfg.target_ratio)))) == 0
-        p_B = b_B.float()
-    else:
-        b_B = torch.ones_like(p_B, dtype=torch.bool)
-        p_B = torch.ones_like(p_B)
-    if cfg.modality_policy == "split_at_switch" and state.prev_modality_B is not None:
-        switch = state.prev_modality_B == IMAGE  # generated tokens are text
-        b_B, p_B = b_B | switch, torch.where(switch, torch.ones_like(p_B), p_B)
-        state.prev_modality_B = torch.zeros_like(state.prev_modality_B)
-    h = h_B1D[:, 0]
-    if cfg.concept_merge == "last":
-        c_new, p_ema, commit = h, p_B, b_B
-    else:
-        c_new, p_ema, commit = state.run_sum_BD, state.run_p_B, b_B
-    if bool(commit.any()):
-        c_in = model.to_concept(c_new[:, None].to(h.dtype))
-        ccos_sin = model.rope(state.concept_caches[0].len_B[:, None] if state.concept_caches else pos_B1,
-                              c_in.shape[-1], h.dtype)
-        c = c_in
-        for slot, li in enumerate(model.schedule):
-            cache = state.concept_caches[slot]
-            c, _ = model.concept_model[li](c, ccos_sin, cache=cache)
-            cache.advance(commit)
-        c_hat = model.from_concept(c - c_in)[:, 0]
-        p = p_ema[:, None].to(c_hat.dtype)
-        new_ema = p * c_hat + (1 - p) * state.ema_BD
-        state.ema_BD = torch.where(commit[:, None], new_ema, state.ema_BD)
-        state.has_ema_B = state.has_ema_B | commit
-    if cfg.concept_merge == "sum":
-        state.run_sum_BD = torch.where(b_B[:, None], h, state.run_sum_BD + h)
-        state.run_p_B = torch.where(b_B, p_B, state.run_p_B)
-    read = state.ema_BD * state.has_ema_B[:, None].to(h.dtype)
-    return h_B1D + read[:, None], read[:, None]  # STE factor is exactly 1 in the forward pass
+def chunk_step(model: ConceptMoEModel, state: DecodeState, h_B1D, pos_B1):
+    """Chunk -> concept model -> dechunk for one new (text) token per row. Returns the decoder input
+    z and the concept signal it reads, both [B, 1, D] (the STE factor is exactly 1 in the forward)."""
+    ch, merge = model.chunker, model.cfg.concept_merge
+    valid_B1 = torch.ones_like(pos_B1, dtype=torch.bool)
+    modality_B1 = None if state.prev_modality_B is None else torch.full_like(pos_B1, TEXT)
+    b_B1, p_B1 = ch.boundaries(h_B1D, valid_B1, pos_B1, modality_BT=modality_B1, carry=state)
+    b_B, h_BD = b_B1[:, 0], h_B1D[:, 0]
+    concept_BD, weight_B = state.merge(merge, h_BD, b_B, p_B1[:, 0])
+    if bool(b_B.any()):
+        state.update_ema(_concept_step(model, state, concept_BD, b_B), weight_B, b_B)
+    read_BD = state.read()
+    return h_B1D + read_BD[:, None], read_BD[:, None]
+
+
+def _concept_step(model: ConceptMoEModel, state: DecodeState, concept_BD, commit_B) -> torch.Tensor:
+    """The concept model on one new concept per row; only rows in ``commit_B`` keep the cache entry.
+    Returns c_hat (the concept model's update, see dechunk.py) [B, D]."""
+    c_in = model.to_concept(concept_BD[:, None])
+    ccos_sin = model.rope(state.concept_caches[0].len_B[:, None], c_in.shape[-1], c_in.dtype)
+    c = c_in
+    for slot, li in enumerate(model.schedule):
+        cache = state.concept_caches[slot]
+        c, _ = model.concept_model[li](c, ccos_sin, cache=cache)
+        cache.advance(commit_B)
+    return model.from_concept(c - c_in)[:, 0]
 
 
 def sample_next(logits_BV: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
