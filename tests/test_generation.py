@@ -168,6 +168,32 @@ def test_greedy_generate_equals_full_forwards(tiny_model, make_decisive, preset,
     check_cached_equals_full(dev(model), *left_padded(), 32)
 
 
+FRACTIONAL_CASES = {
+    "last": dict(concept_merge="last"),
+    "sum": dict(concept_merge="sum"),
+    "sum-loop-dc96": dict(concept_merge="sum", concept_loop_layers=[1], concept_loop_times=2, concept_hidden_size=96),
+    "last-split": dict(concept_merge="last", modality_policy="split_at_switch"),
+    "sum-split": dict(concept_merge="sum", modality_policy="split_at_switch"),
+}
+
+
+@pytest.mark.parametrize("overrides", FRACTIONAL_CASES.values(), ids=FRACTIONAL_CASES.keys())
+def test_fractional_router_generate_equals_full_forwards(tiny_model, overrides):
+    """Fractional p: the decode path's EMA carry (1 - p) * ema and each concept's EMA weight (for
+    "sum" the p of the CLOSED chunk's boundary token) are compared with the full forward. With
+    split_at_switch the prompt ends on image tokens, so the first generated token is a forced
+    boundary (p = 1) whose chunk a fractional boundary closes later."""
+    model = dev(fractional(randomise_joint(tiny_model("tiny_concept", **overrides))))
+    ids, am = left_padded()
+    mod = None
+    if overrides.get("modality_policy") == "split_at_switch":
+        mod = torch.full_like(ids, TEXT)
+        mod[:, 6:] = IMAGE
+    full = check_cached_equals_full(model, ids, am, 24, mod, fractional_p=True)
+    if mod is not None:
+        assert bool(full.boundary_mask[:, ids.shape[1]].all())
+
+
 def test_split_at_switch_decoding(tiny_model, make_decisive):
     """A prompt ending on image tokens: the first generated (text) token is forced to a boundary on
     both paths."""

@@ -9,6 +9,8 @@ import torch
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
 
 from _device import dev, dtype_for, require_test_device, tol  # noqa: E402, F401
+from conftest import randomise_joint  # noqa: E402
+from test_generation import check_fractional, fractional  # noqa: E402  (the fractional router)
 
 IMG, START, END = 5, 6, 7
 VOCAB = 64
@@ -163,6 +165,49 @@ def test_generation_with_image_equals_repeated_full_forwards():
         nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
         cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
     assert torch.equal(out, cur)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("merge, policy", [("last", "joint"), ("sum", "joint"), ("last", "split_at_switch"),
+                                           ("sum", "split_at_switch")])
+def test_fractional_router_generation_with_image_equals_full_forwards(merge, policy):
+    """The fractional router of test_generation (image tokens get their own router vector through the
+    projector's bias): batch 2, row 0 with two images and its prompt ending on the second image's
+    patch tokens, row 1 text with left padding. Fed 16 random text tokens, the cached path's
+    boundaries and logits equal one full forward's, so the decode EMA carry and each concept's EMA
+    weight are compared; greedy generate equals repeated full forwards."""
+    model = build(**{"chunking.concept_merge": merge, "chunking.modality_policy": policy})
+    randomise_joint(model.language_model)
+    fractional(model.language_model, model.projector)
+    model = dev(model)
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    ids, mask = ids[:, :-4], mask[:, :-4]  # row 0 now ends on image tokens
+    assert int(ids[0, -1]) == IMG
+    T, n = ids.shape[1], 16
+    fed = dev(torch.randint(8, VOCAB, (2, n), generator=torch.Generator().manual_seed(5)))
+    lm = model.language_model
+    with torch.no_grad():
+        full = model(torch.cat([ids, fed], 1), pixels, torch.cat([mask, torch.ones_like(fed)], 1))
+        check_fractional(full, torch.cat([mask, torch.ones_like(fed)], 1))
+        if policy == "split_at_switch":
+            assert bool(full.boundary_mask[0, T])  # the first text token after an image
+        embeds, modality = model.embed(ids, pixels)
+        state = lm.start_decoding(2, T + n + 1)
+        logits = [lm.prefill(state, inputs_embeds=embeds, attention_mask=mask, modality_ids=modality)]
+        bounds, count = [lm._last_prefill.boundary_BT], state.concept_caches[0].num_entries().clone()
+        for t in range(n):
+            logits.append(lm.step(state, fed[:, t]))
+            grown = state.concept_caches[0].num_entries()
+            bounds.append((grown > count)[:, None])
+            count = grown.clone()
+    assert torch.equal(torch.cat(bounds, 1), full.boundary_mask)  # a concept is cached at each boundary
+    torch.testing.assert_close(torch.stack(logits, 1), full.logits[:, T - 1:], **tol(1e-4, 1e-4))
+    cur, cur_mask = ids, mask
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
+            cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
+    assert torch.equal(model.generate(ids, pixels, mask, max_new_tokens=8, do_sample=False), cur)
 
 
 @pytest.mark.device
