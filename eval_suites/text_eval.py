@@ -79,6 +79,8 @@ def score_stream(model, stream: list[int], seq_len: int, batch_size: int = 8, de
     """Sum of next-token NLL over ``stream[1:]`` in windows of ``seq_len`` + boundary counts."""
     import torch
 
+    from vlm.modeling.chunking import concept_counts
+
     windows = [stream[s:s + seq_len + 1] for s in range(0, len(stream) - 1, seq_len)]
     windows = [w for w in windows if len(w) >= 2]
     nll, tokens, concepts, counted = 0.0, 0, 0, 0
@@ -93,8 +95,9 @@ def score_stream(model, stream: list[int], seq_len: int, batch_size: int = 8, de
             nll -= float(logp.gather(-1, ids[:, 1:, None]).sum())
             tokens += ids[:, 1:].numel()
             if getattr(out, "boundary_mask", None) is not None:
-                concepts += int(out.boundary_mask.bool().sum())
-                counted += ids[:, :-1].numel()
+                n = concept_counts(out.boundary_mask, torch.ones_like(ids[:, :-1], dtype=torch.bool))
+                concepts += int(n["concepts"].sum())
+                counted += int(n["tokens"].sum())
     return {"nll": nll, "tokens": tokens, "concepts": concepts, "tokens_in_chunker": counted}
 
 
@@ -102,6 +105,8 @@ def evaluate_text(checkpoint: str, text_path: str, seq_len: int | None = None, b
                   max_tokens: int | None = None, tokenizer_dir: str | None = None, dtype: str = "float32",
                   device: str = "cpu") -> dict:
     from transformers import AutoTokenizer
+
+    from vlm.modeling.chunking import achieved_ratio
 
     model, config = load_language_model(checkpoint, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or checkpoint)
@@ -118,7 +123,7 @@ def evaluate_text(checkpoint: str, text_path: str, seq_len: int | None = None, b
               "nll_per_token": nll / n, "perplexity": math.exp(nll / n), "bits_per_token": nll / n / math.log(2),
               "bits_per_byte": nll / math.log(2) / n_bytes, "seconds": round(time.time() - start, 2)}
     if getattr(config, "chunking", False) and raw["concepts"]:
-        result.update({"compression_ratio": raw["tokens_in_chunker"] / raw["concepts"],
+        result.update({"compression_ratio": achieved_ratio(raw["tokens_in_chunker"], raw["concepts"]),
                        "concepts": raw["concepts"], "target_ratio": getattr(config, "target_ratio", None)})
     else:
         result.update({"compression_ratio": None, "concepts": None, "target_ratio": None})

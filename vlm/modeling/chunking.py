@@ -1,5 +1,5 @@
-"""Chunk module: cosine boundary router, forced boundaries, the ratio loss, concept formation, and
-the carry that continues a sequence in cached decoding.
+"""Chunk module: cosine boundary router, forced boundaries, the ratio loss, concept formation, the
+carry that continues a sequence in cached decoding, and the achieved-ratio helpers.
 
     p_n = 0.5 * (1 - cos(W_q h_n, W_k h_{n-1}))   (fp32)      b_n = 1[p_n >= 0.5] (eval)
 
@@ -253,3 +253,25 @@ class ChunkModule(nn.Module):
             position_BM = arange_M - first
         return Concepts(x_BMD, valid_BM, position_BM, segment_BM, prob_BM, index_BT, count_B)
 
+
+# achieved ratio R = tokens / concepts ------------------------------------------------------------
+def concept_counts(boundary_BT, valid_BT, image_BT=None) -> dict[str, torch.Tensor]:
+    """Real tokens and concepts (boundaries at real tokens) per row; with an image-token mask, also
+    ``tokens_image`` / ``concepts_image`` and ``tokens_text`` / ``concepts_text`` (the other real
+    tokens). Sum the counts over rows, batches or ranks, then divide with ``achieved_ratio``."""
+    valid_BT = valid_BT.bool()
+    b_BT = boundary_BT.bool() & valid_BT
+    out = {"tokens": valid_BT.sum(1), "concepts": b_BT.sum(1)}
+    if image_BT is not None:
+        img_BT = image_BT.bool() & valid_BT
+        txt_BT = valid_BT & ~img_BT
+        out.update(tokens_image=img_BT.sum(1), concepts_image=(b_BT & img_BT).sum(1),
+                   tokens_text=txt_BT.sum(1), concepts_text=(b_BT & txt_BT).sum(1))
+    return out
+
+
+def achieved_ratio(tokens, concepts):
+    """R = tokens / concepts, for numbers or tensors; concepts are floored at 1."""
+    if torch.is_tensor(concepts):
+        return tokens / concepts.clamp(min=1)
+    return tokens / max(concepts, 1)

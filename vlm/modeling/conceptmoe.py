@@ -19,7 +19,7 @@ import torch.nn as nn
 from vlm.config import ConceptMoEConfig
 from vlm.modeling.attention import RMSNorm, causal_mask, rope_cos_sin
 from vlm.modeling.blocks import TransformerBlock
-from vlm.modeling.chunking import IMAGE, TEXT, ChunkModule
+from vlm.modeling.chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
 from vlm.modeling.dechunk import dechunk
 
 
@@ -167,14 +167,12 @@ class ConceptMoEModel(nn.Module):
 
 def compression_stats(boundary_BT, valid_BT, modality_BT=None) -> dict:
     """Achieved ratio R = tokens / concepts: per sample, pooled, and per modality."""
-    tokens_B = valid_BT.sum(1).float()
-    concepts_B = (boundary_BT & valid_BT).sum(1).float()
-    stats = {"ratio_per_sample": tokens_B / concepts_B.clamp(min=1),
-             "ratio": float(tokens_B.sum() / concepts_B.sum().clamp(min=1))}
+    n = concept_counts(boundary_BT, valid_BT, None if modality_BT is None else modality_BT == IMAGE)
+    stats = {"ratio_per_sample": achieved_ratio(n["tokens"].float(), n["concepts"].float()),
+             "ratio": float(achieved_ratio(n["tokens"].sum().float(), n["concepts"].sum().float()))}
     if modality_BT is not None:
-        for name, mod in (("image", IMAGE), ("text", TEXT)):
-            sel = valid_BT & (modality_BT == mod)
-            n = int(sel.sum())
-            if n:
-                stats[f"ratio_{name}"] = n / max(int((boundary_BT & sel).sum()), 1)
+        for name in ("image", "text"):
+            tokens = int(n[f"tokens_{name}"].sum())
+            if tokens:
+                stats[f"ratio_{name}"] = achieved_ratio(tokens, int(n[f"concepts_{name}"].sum()))
     return stats

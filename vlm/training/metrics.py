@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from vlm.modeling.chunking import achieved_ratio, concept_counts
 from vlm.training.distributed import all_reduce_sum
 
 IGNORE_INDEX = -100
@@ -99,13 +100,12 @@ class WindowStats:
         c["samples"] = zero + float(batch.get("num_samples", valid.shape[0]))
         b = getattr(out, "boundary_mask", None)
         if b is not None:
-            b = b.bool() & valid
-            c["bnd"] = b.sum().double()
-            if self.image_token_id is not None:
-                img = (batch["input_ids"].to(dev) == self.image_token_id) & valid
-                txt = valid & ~img
-                c["tok_img"], c["bnd_img"] = img.sum().double(), (b & img).sum().double()
-                c["tok_txt"], c["bnd_txt"] = txt.sum().double(), (b & txt).sum().double()
+            img = None if self.image_token_id is None else batch["input_ids"].to(dev) == self.image_token_id
+            n = {k: v.sum().double() for k, v in concept_counts(b, valid, img).items()}
+            c["bnd"] = n["concepts"]
+            if img is not None:
+                c["tok_img"], c["bnd_img"] = n["tokens_image"], n["concepts_image"]
+                c["tok_txt"], c["bnd_txt"] = n["tokens_text"], n["concepts_text"]
             p = getattr(out, "boundary_probs", None)
             if p is not None:
                 c["prob_sum"] = (p.double() * valid).sum()
@@ -149,12 +149,10 @@ def summarize(red: dict, elapsed: float, world_size: int) -> dict:
     out = {k: s[k] / finite_micro for k in SCALARS}
     if c["micro"] and c["nonfinite"] == c["micro"]:
         out = {k: float("nan") for k in SCALARS}
-    if c["bnd"]:
-        out["ratio"] = c["tokens"] / c["bnd"]
-    if c["bnd_img"]:
-        out["ratio_image"] = c["tok_img"] / c["bnd_img"]
-    if c["bnd_txt"]:
-        out["ratio_text"] = c["tok_txt"] / c["bnd_txt"]
+    for name, tok, bnd in (("ratio", "tokens", "bnd"), ("ratio_image", "tok_img", "bnd_img"),
+                           ("ratio_text", "tok_txt", "bnd_txt")):
+        if c[bnd]:
+            out[name] = achieved_ratio(c[tok], c[bnd])
     if c["prob_n"]:
         out["boundary_prob"] = c["prob_sum"] / c["prob_n"]
     if red["experts"] is not None:

@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 
+from vlm.modeling.chunking import achieved_ratio, concept_counts
+
 
 def _kind(record: dict) -> str:
     rid = str(record.get("id", ""))
@@ -72,13 +74,11 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
             pix = enc["pixel_values"].to(device) if enc["pixel_values"] is not None else None
             out = model(input_ids=ids, pixel_values=pix, attention_mask=mask)
             if getattr(out, "boundary_mask", None) is not None:
-                valid = mask.bool()
-                b = out.boundary_mask.bool() & valid
-                img = (ids == image_id) & valid if image_id is not None else torch.zeros_like(valid)
-                txt = valid & ~img
-                for key, sel in (("all", valid), ("img", img), ("txt", txt)):
-                    tok[key] += int(sel.sum())
-                    bnd[key] += int((b & sel).sum())
+                img = ids == image_id if image_id is not None else torch.zeros_like(mask, dtype=torch.bool)
+                n = concept_counts(out.boundary_mask, mask, img)
+                for key, suffix in (("all", ""), ("img", "_image"), ("txt", "_text")):
+                    tok[key] += int(n["tokens" + suffix].sum())
+                    bnd[key] += int(n["concepts" + suffix].sum())
             gen = model.generate(input_ids=ids, pixel_values=pix, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=end_id, pad_token_id=chat.pad_id)
             new = gen[:, ids.shape[1]:].tolist()
@@ -99,5 +99,5 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
               "by_kind": {k: hits[k] / totals[k] for k in sorted(totals)}, "examples": examples}
     for key, name in (("all", "ratio"), ("img", "ratio_image"), ("txt", "ratio_text")):
         if bnd[key]:
-            result[name] = tok[key] / bnd[key]
+            result[name] = achieved_ratio(tok[key], bnd[key])
     return result
