@@ -101,21 +101,37 @@ def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, sample_id: str = "?
 RESAMPLE_MODES = {"bicubic": transforms.InterpolationMode.BICUBIC,
                   "nearest": transforms.InterpolationMode.NEAREST,
                   "bilinear": transforms.InterpolationMode.BILINEAR}
+IMAGE_ASPECTS = ("resize", "pad")  # squash to the square, or pad to a square first (LLaVA-1.5)
+
+
+def pad_to_square(image: Image.Image, fill: tuple[int, int, int]) -> Image.Image:
+    """An RGB image centred on a square canvas of its longer side filled with ``fill`` (LLaVA's expand2square)."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    canvas = Image.new("RGB", (side, side), fill)
+    canvas.paste(image, ((side - width) // 2, (side - height) // 2))
+    return canvas
 
 
 class ImageTransform:
     """PIL image (any mode) -> normalised Float[3, image_size, image_size].
 
-    to_rgb -> Resize((image_size, image_size), resample, antialias) -> ToTensor -> Normalize(mean, std).
+    to_rgb -> [image_aspect="pad": pad_to_square with the mean colour, int(255 * mean)] ->
+    Resize((image_size, image_size), resample, antialias) -> ToTensor -> Normalize(mean, std).
     A plain picklable class, so DataLoader workers can use it; `settings()` is what a processor saves.
     """
 
     def __init__(self, image_size: int = 224, image_mean=(0.5, 0.5, 0.5),
-                 image_std=(0.5, 0.5, 0.5), resample: str = "bicubic"):
+                 image_std=(0.5, 0.5, 0.5), resample: str = "bicubic", image_aspect: str = "resize"):
         if resample not in RESAMPLE_MODES:
             raise ValueError(f"resample must be one of {sorted(RESAMPLE_MODES)}, got {resample!r}")
-        self.image_size, self.resample = int(image_size), resample
+        if image_aspect not in IMAGE_ASPECTS:
+            raise ValueError(f"image_aspect must be one of {list(IMAGE_ASPECTS)}, got {image_aspect!r}")
+        self.image_size, self.resample, self.image_aspect = int(image_size), resample, image_aspect
         self.image_mean, self.image_std = list(image_mean), list(image_std)
+        self.pad_fill = tuple(int(255 * m) for m in self.image_mean)
         self.transform = transforms.Compose([
             transforms.Resize((self.image_size, self.image_size), interpolation=RESAMPLE_MODES[resample],
                               antialias=True),
@@ -126,10 +142,13 @@ class ImageTransform:
     def settings(self) -> dict:
         """The constructor arguments: ``ImageTransform(**t.settings())`` is the same transform."""
         return {"image_size": self.image_size, "image_mean": list(self.image_mean),
-                "image_std": list(self.image_std), "resample": self.resample}
+                "image_std": list(self.image_std), "resample": self.resample, "image_aspect": self.image_aspect}
 
     def __call__(self, image: Image.Image):
-        return self.transform(to_rgb(image))
+        image = to_rgb(image)
+        if self.image_aspect == "pad":
+            image = pad_to_square(image, self.pad_fill)
+        return self.transform(image)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ImageTransform) and self.settings() == other.settings()
@@ -138,4 +157,4 @@ class ImageTransform:
 
     def __repr__(self) -> str:
         return (f"ImageTransform(image_size={self.image_size}, resample={self.resample!r}, "
-                f"mean={self.image_mean}, std={self.image_std})")
+                f"aspect={self.image_aspect!r}, mean={self.image_mean}, std={self.image_std})")

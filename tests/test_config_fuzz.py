@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from _fuzz import FUZZ, examples, report
 from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
-from vision_encoders.base import FEATURE_LAYERS
+from vision_encoders.base import FEATURE_LAYERS, IMAGE_ASPECTS
 from vision_encoders.projector import PROJECTOR_KINDS, PROJECTOR_MERGES
 from vlm.config import AttentionConfig, ChunkingConfig, ConceptMoEConfig, ConfigError, MoEConfig, read_yaml
 from vlm.config.core import Section
@@ -223,6 +223,7 @@ VLM_RULES = {
     "vision.feature_layer": not_one_of(FEATURE_LAYERS),
     "vision.keep_cls": wrong_type("bool"),
     "vision.image_size": below(1, nullable=True),
+    "vision.image_aspect": not_one_of(IMAGE_ASPECTS),
     "vision.model_kwargs": wrong_type("dict"),
     "projector": NOT_MAPPING,
     "projector.kind": not_one_of(PROJECTOR_KINDS),

@@ -1,9 +1,12 @@
-"""Vision encoders: shapes, the backbone's image transform, and feature equality with timm / open_clip.
+"""Vision encoders: shapes, the backbone's image transform (resize / pad), feature equality with timm /
+open_clip from local files, the one-line load log and build errors (hub-cache loads: test_vision_hub.py).
 
 Every weight file is written by the test into tmp_path; nothing is downloaded.
 """
 
 import json
+import logging
+import re
 
 import numpy as np
 import open_clip
@@ -17,8 +20,10 @@ from torchvision import transforms
 
 from data_pipelines.images import ImageTransform, to_rgb
 from vision_encoders import VISION_BACKBONES, VisionEncoderConfig, build_vision_encoder, register_vision_backbone
+from vision_encoders.hub import weights_digest
 from vision_encoders.open_clip_vit import OpenClipViTEncoder
 from vision_encoders.timm_vit import TimmViTEncoder
+from vlm.config.core import ConfigError
 
 TINY_TIMM_NAME = "vit_tiny_patch16_224"
 TINY_TIMM_KWARGS = {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
@@ -228,6 +233,9 @@ def test_missing_weights_file_names_the_path(tmp_path):
         ({"model_kwargs": ["depth", 2]}, "vision.model_kwargs"),
         ({"pretrained": ""}, "vision.pretrained"),
         ({"backbone": ""}, "vision.backbone"),
+        ({"image_aspect": "anyres"}, "vision.image_aspect"),
+        ({"model_name": "hf-hub:no-slash"}, "vision.model_name"),
+        ({"model_name": "hf-hub:"}, "vision.model_name"),
     ],
 )
 def test_bad_config_values_name_the_field(kwargs, field):
@@ -240,22 +248,74 @@ def test_bad_config_values_name_the_field(kwargs, field):
 
 
 def test_build_errors():
-    with pytest.raises(ValueError, match="known ids: .*tiny-vit"):
+    """Build errors are one-line ConfigErrors (ValueErrors the trainer turns into exit 2) naming the field."""
+    with pytest.raises(ConfigError, match=r"^config error: vision.backbone: .*known ids: .*tiny-vit"):
         build_vision_encoder(VisionEncoderConfig(backbone="huge-vit"))
-    with pytest.raises(ValueError, match="vision.model_name is required"):
+    with pytest.raises(ConfigError, match=r"^config error: vision.model_name: is required for backbone 'timm'$"):
         build_vision_encoder(VisionEncoderConfig(backbone="timm"))
-    with pytest.raises(ValueError, match="hub reference"):
-        build_vision_encoder(VisionEncoderConfig(backbone="timm", model_name="hf-hub:timm/vit_tiny_patch16_224"))
-    with pytest.raises(ValueError, match="vision.pretrained .*required"):
-        build_vision_encoder(VisionEncoderConfig(backbone="siglip-so400m"))
-    with pytest.raises(ValueError, match="vision.keep_cls"):
+    with pytest.raises(ConfigError, match=r"^config error: vision.pretrained: is required for backbone 'clip-vit"):
+        build_vision_encoder(VisionEncoderConfig(backbone="clip-vit-l-336"))
+    with pytest.raises(ConfigError, match="^config error: vision.keep_cls: true but"):
         build_vision_encoder(VisionEncoderConfig(
             backbone="timm", model_name=TINY_TIMM_NAME, keep_cls=True,
             model_kwargs={**TINY_TIMM_KWARGS, "class_token": False, "global_pool": "avg"},
         ))
+    with pytest.raises(ConfigError, match=r"^config error: vision.model_name: 'resnet18' is not a timm Vision Tr"):
+        build_vision_encoder(VisionEncoderConfig(backbone="timm", model_name="resnet18"))
+    with pytest.raises(ConfigError, match=r"^config error: vision.model_name: timm 'vit_tiny_patch16_224': TypeError"):
+        build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", model_kwargs={"no_such_kwarg": 1}))
     encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
     with pytest.raises(ValueError, match=r"\[B, 3, 16, 16\]"):
         encoder(torch.randn(1, 3, 32, 32))
+
+
+def test_random_init_is_logged_once(caplog):
+    caplog.set_level(logging.INFO, logger="vision_encoders")
+    first = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
+    torch.manual_seed(0)
+    again = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vision_encoders"]
+    assert len(lines) == 2 and lines[0] == first.load_line
+    num_tensors = len(first.state_dict())
+    assert re.fullmatch(rf"vision: timm 'vit_tiny_patch16_224' <- random init \(vision.pretrained: null\): "
+                        rf"{num_tensors} tensors, sha1 [0-9a-f]{{8}}", lines[0]), lines[0]
+    assert (lines[0] == lines[1]) == all(torch.equal(a, b) for a, b in
+                                         zip(first.state_dict().values(), again.state_dict().values()))
+
+
+def test_local_file_load_is_logged(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="vision_encoders")
+    reference = _tiny_timm_reference()
+    weights = tmp_path / "tiny_vit.safetensors"
+    save_file(reference.state_dict(), weights)
+    encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit", pretrained=str(weights)))
+    assert encoder.load_line == f"vision: timm 'vit_tiny_patch16_224' <- file {weights}: " \
+                                f"{len(reference.state_dict())} tensors, {weights_digest(reference)[1]}"
+    assert [r.getMessage() for r in caplog.records if r.name == "vision_encoders"] == [encoder.load_line]
+
+
+def test_image_aspect_pad_pads_with_the_mean_colour():
+    """pad: LLaVA-1.5's expand2square (centred on the mean colour, int(255 * mean)), then the resize."""
+    image = Image.fromarray(((np.arange(6 * 12 * 3).reshape(6, 12, 3) * 53) % 256).astype(np.uint8), "RGB")
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    encoder = build_vision_encoder(VisionEncoderConfig(
+        backbone="tiny-vit", image_aspect="pad",
+        model_kwargs={"pretrained_cfg_overlay": {"mean": tuple(mean), "std": tuple(std)}},
+    ))
+    transform = encoder.image_transform()
+    assert transform.settings()["image_aspect"] == "pad" and ImageTransform(**transform.settings()) == transform
+    expected = Image.new("RGB", (12, 12), tuple(int(255 * m) for m in mean))
+    expected.paste(image, (0, 3))
+    torch.testing.assert_close(transform(image), _reference_pixels(expected, 16, mean, std), rtol=0, atol=0)
+    pixels_CHW = transform(image)
+    fill_C = (torch.tensor([int(255 * m) for m in mean]) / 255 - torch.tensor(mean)) / torch.tensor(std)
+    torch.testing.assert_close(pixels_CHW[:, 0, :], fill_C[:, None].expand(3, 16), rtol=0, atol=1e-5)  # top band
+    resized = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit")).image_transform()
+    assert resized.settings()["image_aspect"] == "resize" and not torch.equal(resized(image), transform(image))
+    square = Image.new("RGB", (9, 9), (10, 200, 30))
+    assert torch.equal(transform(square), _reference_pixels(square, 16, mean, std))  # a square is not padded
+    with pytest.raises(ValueError, match="image_aspect"):
+        ImageTransform(16, image_aspect="crop")
 
 
 def test_pretrained_presets_name_real_library_models():

@@ -1,4 +1,5 @@
-"""Vision encoders (timm / open_clip ViTs, local weights only), their image transform, and the projector.
+"""Vision encoders (timm / open_clip / transformers ViTs; weights from local files or the local HF
+cache, one log line per load), their image transform, and the projector.
 
     encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))  # pixels [B,3,H,W] -> [B,P,D]
     transform = encoder.image_transform()                                      # PIL image -> [3,H,W]

@@ -2,7 +2,8 @@
 
 An encoder maps ``pixel_values_BCHW`` (made by ``encoder.image_transform()``) to patch features
 ``features_BPD`` in raster order over ``patch_grid``, the CLS token in front if ``keep_cls``.
-Weights come only from a local file (``pretrained``); non-safetensors files need ``trust_pickle``.
+Weights come from local files or the local Hugging Face cache only (``vision_encoders.hub``); every
+load logs one line, and a random init happens only when nothing names weights.
 """
 
 from __future__ import annotations
@@ -13,90 +14,98 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BeforeValidator
+from pydantic import AfterValidator, BeforeValidator
 from torch import nn
 
-from data_pipelines.images import RESAMPLE_MODES, ImageTransform
-from vlm.config.core import PosInt, Section, Text
+from data_pipelines.images import IMAGE_ASPECTS, RESAMPLE_MODES, ImageTransform
+from vision_encoders.hub import HUB_PREFIXES, HUB_REPO_RE, check_pickle, hub_id, log_load
+from vlm.config.core import PosInt, Section, Text, fail
 
 FEATURE_LAYERS = ("last", "penultimate")
-SAFE_WEIGHT_SUFFIX = ".safetensors"
-HUB_PREFIXES = ("hf-hub:", "hf_hub:")
+__all__ = ["FEATURE_LAYERS", "HUB_PREFIXES", "IMAGE_ASPECTS", "VisionEncoder", "VisionEncoderConfig"]
 
 
 def _fspath(value):
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
+def _hub_form(value: str) -> str:
+    repo = hub_id(value)
+    if repo is not None and not HUB_REPO_RE.fullmatch(repo):
+        raise ValueError(f"a hub reference must be hf-hub:<org>/<name>, got {value!r}")
+    return value
+
+
 class VisionEncoderConfig(Section):
     """Which vision backbone to build and how to read its features (the VLM config's ``vision:``).
 
-    backbone:      registry id (see ``VISION_BACKBONES``), e.g. "tiny-vit".
-    model_name:    overrides the preset's timm / open_clip model name.
-    pretrained:    local weights file; None means random init.
+    backbone:      registry id (see ``VISION_BACKBONES``): a preset ("tiny-vit"), "timm", "open_clip", "hf".
+    model_name:    the library model: a timm name, tagged names load the tag's weights
+                   ("vit_so400m_patch14_siglip_384.webli"); an open_clip config name ("ViT-B-16");
+                   "hf-hub:org/name" (timm / open_clip repos, weights included); for "hf" a folder or hub id.
+    pretrained:    a local weights file, or for open_clip a pretrained tag ("laion2b_s34b_b88k"). Null
+                   with a model name that names no weights is the only random init.
     trust_pickle:  allow a non-safetensors (pickle) weights file.
     feature_layer: "last" (final block after the final norm) or "penultimate"
                    (raw output of the second-to-last block).
     keep_cls:      put the CLS token in front of the patch tokens.
     image_size:    overrides the preset's input resolution (square).
+    image_aspect:  "resize" squashes the image to the square; "pad" pads it to a square with the
+                   mean colour first (LLaVA-1.5).
     model_kwargs:  extra kwargs for the library constructor (override the preset's).
     """
 
     backbone: Text
-    model_name: Text | None = None
+    model_name: Annotated[Text, AfterValidator(_hub_form)] | None = None
     pretrained: Annotated[Text, BeforeValidator(_fspath)] | None = None
     trust_pickle: bool = False
     feature_layer: Literal[FEATURE_LAYERS] = "last"
     keep_cls: bool = False
     image_size: PosInt | None = None
+    image_aspect: Literal[IMAGE_ASPECTS] = "resize"
     model_kwargs: dict = {}
 
 
 def resolve_model_name(cfg: VisionEncoderConfig, preset_name: str | None) -> str:
-    """The library model name: ``cfg.model_name`` if set, else the preset's."""
+    """The library model name: ``cfg.model_name`` if set, else the preset's (``hf_hub:`` -> ``hf-hub:``)."""
     name = cfg.model_name or preset_name
     if name is None:
-        raise ValueError(f"vision.model_name is required for backbone {cfg.backbone!r}")
-    if name.startswith(HUB_PREFIXES):
-        raise ValueError(f"vision.model_name must be a library model name, not a hub reference, got {name!r}")
-    return name
+        raise fail("vision.model_name", f"is required for backbone {cfg.backbone!r}")
+    repo = hub_id(name)
+    return name if repo is None else HUB_PREFIXES[0] + repo
 
 
-def resolve_weights(cfg: VisionEncoderConfig, required: bool) -> Path | None:
-    """Check ``cfg.pretrained`` against the local-weights policy; None means random init."""
-    if cfg.pretrained is None:
-        if required:
-            raise ValueError(f"vision.pretrained (a local weights file) is required for backbone {cfg.backbone!r}")
-        return None
+def resolve_weights(cfg: VisionEncoderConfig) -> Path:
+    """``cfg.pretrained`` as a local weights file (safetensors unless ``trust_pickle``)."""
     path = Path(cfg.pretrained).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"vision.pretrained: weights file not found: {path}")
-    if path.suffix != SAFE_WEIGHT_SUFFIX and not cfg.trust_pickle:
-        raise ValueError(
-            f"vision.pretrained: refusing to unpickle {path}; convert it to .safetensors or set vision.trust_pickle=true"
-        )
+    check_pickle("vision.pretrained", str(path), cfg.trust_pickle)
     return path
 
 
-def resolve_backbone(
-    cfg: VisionEncoderConfig, model_name: str | None, model_kwargs: dict | None, requires_weights: bool
-) -> tuple[str, Path | None, dict]:
-    """Shared start of every backend: (library model name, local weights or None, constructor kwargs).
+META_SOURCE = "the checkpoint being loaded (built on the meta device, nothing read here)"
 
-    The preset's ``model_kwargs`` are overridden key by key by ``cfg.model_kwargs``.
-    """
-    name = resolve_model_name(cfg, model_name)
-    weights = resolve_weights(cfg, required=requires_weights)
-    return name, weights, {**(model_kwargs or {}), **cfg.model_kwargs}
+
+def on_meta_device() -> bool:
+    """Built inside a ``from_pretrained`` (meta device): only the architecture is needed."""
+    return torch.empty(0).is_meta
+
+
+def random_init(cfg: VisionEncoderConfig, name: str, requires_weights: bool) -> str:
+    """The log source of a random init, refused for presets that need weights."""
+    if requires_weights:
+        raise fail("vision.pretrained", f"is required for backbone {cfg.backbone!r} ({name!r} would be random)")
+    return "random init (vision.pretrained: null)"
 
 
 def check_tower(cfg: VisionEncoderConfig, name: str, num_blocks: int, image_hw) -> int:
     """Shared checks on a built tower (enough blocks for ``feature_layer``, square input); the image size."""
     if cfg.feature_layer == "penultimate" and num_blocks < 2:
-        raise ValueError(f"vision.feature_layer='penultimate' needs at least 2 blocks, {name!r} has {num_blocks}")
+        raise fail("vision.feature_layer", f"'penultimate' needs at least 2 blocks, {name!r} has {num_blocks}")
     image_h, image_w = image_hw
     if image_h != image_w:
-        raise ValueError(f"vision: only square inputs are supported, {name!r} takes {image_h}x{image_w}")
+        raise fail("vision.image_size", f"only square inputs are supported, {name!r} takes {image_h}x{image_w}")
     return int(image_h)
 
 
@@ -121,7 +130,7 @@ class VisionEncoder(nn.Module, abc.ABC):
     ) -> None:
         super().__init__()
         if cfg.keep_cls and not has_cls_token:
-            raise ValueError(f"vision.keep_cls=true but backbone {cfg.backbone!r} has no CLS token")
+            raise fail("vision.keep_cls", f"true but backbone {cfg.backbone!r} has no CLS token")
         self.cfg = cfg
         self._image_size = image_size
         self._patch_grid = tuple(patch_grid)
@@ -131,6 +140,7 @@ class VisionEncoder(nn.Module, abc.ABC):
             "image_mean": [float(v) for v in image_mean],
             "image_std": [float(v) for v in image_std],
             "resample": interpolation if interpolation in RESAMPLE_MODES else "bicubic",
+            "image_aspect": cfg.image_aspect,
         }
 
     @property
@@ -150,6 +160,11 @@ class VisionEncoder(nn.Module, abc.ABC):
     @property
     def embed_dim(self) -> int:
         return self._embed_dim
+
+    def log_weights(self, what: str, source: str) -> str:
+        """Log the one load line (call at the end of the backend's ``__init__``); returns it."""
+        self.load_line = log_load(self, what, source)
+        return self.load_line
 
     def image_transform(self) -> ImageTransform:
         """The preprocessing this backbone expects: PIL image -> Float[3, image_size, image_size].

@@ -2,13 +2,16 @@
 
 Preset kwargs: ``model_name`` (``cfg.model_name`` overrides it), ``model_kwargs`` (``cfg.model_kwargs``
 overrides them key by key) and ``requires_weights`` (big pretrained presets refuse a random init).
+Build errors are one-line ``ConfigError``s (a ``ValueError``; the trainer exits 2 on them).
 """
 
 from __future__ import annotations
 
 from vision_encoders.base import VisionEncoder, VisionEncoderConfig
+from vision_encoders.hf_vit import HFViTEncoder
 from vision_encoders.open_clip_vit import OpenClipViTEncoder
 from vision_encoders.timm_vit import TimmViTEncoder
+from vlm.config.core import fail
 
 VISION_BACKBONES: dict[str, tuple[type[VisionEncoder], dict]] = {}
 
@@ -23,7 +26,7 @@ def register_vision_backbone(backbone_id: str, cls: type[VisionEncoder], **kwarg
 def build_vision_encoder(cfg: VisionEncoderConfig) -> VisionEncoder:
     if cfg.backbone not in VISION_BACKBONES:
         known = ", ".join(sorted(VISION_BACKBONES))
-        raise ValueError(f"vision.backbone {cfg.backbone!r} is unknown; known ids: {known}")
+        raise fail("vision.backbone", f"{cfg.backbone!r} is unknown; known ids: {known}")
     cls, kwargs = VISION_BACKBONES[cfg.backbone]
     return cls(cfg, **kwargs)
 
@@ -45,16 +48,18 @@ register_vision_backbone(
 # Generic backends: vision.model_name is required.
 register_vision_backbone("timm", TimmViTEncoder)
 register_vision_backbone("open_clip", OpenClipViTEncoder)
+register_vision_backbone("hf", HFViTEncoder)
 
-# Pretrained presets: built only from a local weights file (vision.pretrained).
+# Pretrained presets: never random (a tagged name loads the tag from the local HF cache).
 register_vision_backbone(
-    "siglip-so400m",  # timm state dict, 384px, 27x27 patches of dim 1152, no CLS token
+    "siglip-so400m",  # timm, 384px, 27x27 patches of dim 1152, no CLS token; or a local timm state dict
     TimmViTEncoder,
-    model_name="vit_so400m_patch14_siglip_384",
+    model_name="vit_so400m_patch14_siglip_384.webli",
     requires_weights=True,
 )
 register_vision_backbone(
-    "clip-vit-l-336",  # full open_clip checkpoint of OpenAI CLIP ViT-L/14@336 (QuickGELU), 24x24 patches of dim 1024
+    "clip-vit-l-336",  # OpenAI CLIP ViT-L/14@336 (QuickGELU), 24x24 patches of dim 1024: pretrained openai or a
+    # local full open_clip checkpoint
     OpenClipViTEncoder,
     model_name="ViT-L-14-336-quickgelu",
     requires_weights=True,
