@@ -49,6 +49,34 @@ def sample_batch(P, seed=0):
     return ids, mask, pixels
 
 
+@torch.no_grad()
+def cached_vs_full(model, ids, mask, pixels, fed):
+    """Prefill the prompt, feed ``fed`` [B, n] token by token; one full forward over prompt + fed.
+    Returns the full forward's output, the cached path's logits [B, n + 1, V] (after the prefill and
+    each fed token) and its boundary mask (a concept is cached exactly at each boundary)."""
+    lm = model.language_model
+    full = model(torch.cat([ids, fed], 1), pixels, torch.cat([mask, torch.ones_like(fed)], 1))
+    embeds, modality = model.embed(ids, pixels)
+    state = lm.start_decoding(ids.shape[0], ids.shape[1] + fed.shape[1] + 1)
+    logits = [lm.prefill(state, inputs_embeds=embeds, attention_mask=mask, modality_ids=modality)]
+    bounds, count = [lm._last_prefill.boundary_BT], state.concept_caches[0].num_entries().clone()
+    for t in range(fed.shape[1]):
+        logits.append(lm.step(state, fed[:, t]))
+        grown = state.concept_caches[0].num_entries()
+        bounds.append((grown > count)[:, None])
+        count = grown.clone()
+    return full, torch.stack(logits, 1), torch.cat(bounds, 1)
+
+
+@torch.no_grad()
+def greedy_by_full_forwards(model, ids, mask, pixels, n):
+    cur, cur_mask = ids, mask
+    for _ in range(n):
+        nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
+        cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
+    return cur
+
+
 @pytest.mark.device
 def test_placeholder_count_mismatch_is_a_clear_error():
     model = dev(build())
@@ -160,11 +188,7 @@ def test_generation_with_image_equals_repeated_full_forwards():
     model = dev(decisive(build()))
     ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     out = model.generate(ids, pixels, mask, max_new_tokens=12, do_sample=False)
-    cur, cur_mask = ids, mask
-    for _ in range(12):
-        nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
-        cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
-    assert torch.equal(out, cur)
+    assert torch.equal(out, greedy_by_full_forwards(model, ids, mask, pixels, 12))
 
 
 @pytest.mark.device
@@ -183,31 +207,16 @@ def test_fractional_router_generation_with_image_equals_full_forwards(merge, pol
     ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
     ids, mask = ids[:, :-4], mask[:, :-4]  # row 0 now ends on image tokens
     assert int(ids[0, -1]) == IMG
-    T, n = ids.shape[1], 16
-    fed = dev(torch.randint(8, VOCAB, (2, n), generator=torch.Generator().manual_seed(5)))
-    lm = model.language_model
-    with torch.no_grad():
-        full = model(torch.cat([ids, fed], 1), pixels, torch.cat([mask, torch.ones_like(fed)], 1))
-        check_fractional(full, torch.cat([mask, torch.ones_like(fed)], 1))
-        if policy == "split_at_switch":
-            assert bool(full.boundary_mask[0, T])  # the first text token after an image
-        embeds, modality = model.embed(ids, pixels)
-        state = lm.start_decoding(2, T + n + 1)
-        logits = [lm.prefill(state, inputs_embeds=embeds, attention_mask=mask, modality_ids=modality)]
-        bounds, count = [lm._last_prefill.boundary_BT], state.concept_caches[0].num_entries().clone()
-        for t in range(n):
-            logits.append(lm.step(state, fed[:, t]))
-            grown = state.concept_caches[0].num_entries()
-            bounds.append((grown > count)[:, None])
-            count = grown.clone()
-    assert torch.equal(torch.cat(bounds, 1), full.boundary_mask)  # a concept is cached at each boundary
-    torch.testing.assert_close(torch.stack(logits, 1), full.logits[:, T - 1:], **tol(1e-4, 1e-4))
-    cur, cur_mask = ids, mask
-    with torch.no_grad():
-        for _ in range(8):
-            nxt = model(cur, pixels, cur_mask).logits[:, -1].argmax(-1, keepdim=True)
-            cur, cur_mask = torch.cat([cur, nxt], 1), torch.cat([cur_mask, torch.ones_like(nxt)], 1)
-    assert torch.equal(model.generate(ids, pixels, mask, max_new_tokens=8, do_sample=False), cur)
+    T = ids.shape[1]
+    fed = dev(torch.randint(8, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5)))
+    full, logits, bounds = cached_vs_full(model, ids, mask, pixels, fed)
+    check_fractional(full, torch.cat([mask, torch.ones_like(fed)], 1))
+    if policy == "split_at_switch":
+        assert bool(full.boundary_mask[0, T])  # the first text token after an image
+    assert torch.equal(bounds, full.boundary_mask)
+    torch.testing.assert_close(logits, full.logits[:, T - 1:], **tol(1e-4, 1e-4))
+    want = greedy_by_full_forwards(model, ids, mask, pixels, 8)
+    assert torch.equal(model.generate(ids, pixels, mask, max_new_tokens=8, do_sample=False), want)
 
 
 @pytest.mark.device
@@ -218,6 +227,28 @@ def test_save_and_load_gives_identical_logits(tmp_path):
     assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
     loaded = dev(ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval())
     assert torch.equal(loaded(ids, pixels, mask).logits, model(ids, pixels, mask).logits)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("key, value", [("boundary_mode", "fixed"), ("concept_merge", "sum")])
+def test_chunk_config_changed_after_loading(tmp_path, key, value):
+    """The chunker reads ``config.text_config`` live: after loading a saved VLM, changing a chunk
+    setting there changes the full forward, and cached decoding still equals it."""
+    model = build()
+    fractional(model.language_model, model.projector)
+    model.save_pretrained(tmp_path)
+    loaded = ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval()
+    setattr(loaded.config.text_config, key, value)
+    model, loaded = dev(model, loaded)
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    fed = dev(torch.randint(8, VOCAB, (2, 8), generator=torch.Generator().manual_seed(6)))
+    full, logits, bounds = cached_vs_full(loaded, ids, mask, pixels, fed)
+    with torch.no_grad():
+        assert not torch.allclose(full.logits[:, : ids.shape[1]], model(ids, pixels, mask).logits, atol=1e-3)
+    assert torch.equal(bounds, full.boundary_mask)
+    torch.testing.assert_close(logits, full.logits[:, ids.shape[1] - 1:], **tol(1e-4, 1e-4))
+    want = greedy_by_full_forwards(loaded, ids, mask, pixels, 8)
+    assert torch.equal(loaded.generate(ids, pixels, mask, max_new_tokens=8, do_sample=False), want)
 
 
 def test_vlm_config_overrides_and_errors():

@@ -72,10 +72,10 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def _initialize_weights(self, module, is_custom_code: bool = False):
-        # transformers treats any model outside its package as "custom code" and then skips every
-        # module without direct parameters (Attention, ChunkModule), so the zero-init of the joint
-        # projections and the identity router init below never ran. Our ``_init_weights`` only uses
-        # the guarded ``transformers.initialization`` functions (loaded weights are never touched).
+        # For "custom code" (any model outside transformers) modules without direct parameters
+        # (Attention, ChunkModule) are skipped, which would skip the joint projections' zero init and
+        # the router init of ``_init_weights``. That only uses the guarded
+        # ``transformers.initialization`` functions, so loaded weights are never touched.
         super()._initialize_weights(module, is_custom_code=False)
 
     def _init_weights(self, module):
