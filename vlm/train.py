@@ -68,13 +68,13 @@ def main(argv=None) -> int:
         find_checkpoint,
     )
     from vlm.training.fault_injection import Faults, FaultSpecError
-    from vlm.training.train_config import load_train_config
+    from vlm.config.train import load_train_config
 
     try:
         cfg = load_train_config(args.config, args.overrides)
         if args.no_eval:
             cfg.eval.vqa_json = None
-        faults = Faults.from_env(os.environ, nonfinite_steps=cfg.train.fault_nonfinite_steps)  # empty in real runs
+        faults = Faults.from_env(os.environ)  # empty in real runs
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
         trainer = Trainer(cfg, resume=args.resume, faults=faults)

@@ -115,7 +115,6 @@ class TrainSection(Section):
     lr_mult: PartFloats = PartFloats()
     freeze: PartFlags = PartFlags()
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
-    fault_nonfinite_steps: list[NonNegInt] = []  # fault injection: these steps get a NaN loss
 
 
 class LogSection(Section):

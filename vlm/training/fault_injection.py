@@ -83,12 +83,10 @@ class Faults:
             raise FaultSpecError(f"unknown fault point(s) {unknown}; known: {sorted(POINTS)}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, nonfinite_steps: Iterable[int] = ()) -> Faults:
-        """``VLM_TRAIN_FAULT`` of ``environ`` (default ``os.environ``) plus NaN losses at
-        ``nonfinite_steps`` on every rank (``train.fault_nonfinite_steps``)."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Faults:
+        """The plan in ``VLM_TRAIN_FAULT`` of ``environ`` (default ``os.environ``)."""
         env = os.environ if environ is None else environ
-        nan = [Fault("train.loss", int(s), None) for s in nonfinite_steps]
-        return cls([*parse(env.get(ENV)), *nan])
+        return cls(parse(env.get(ENV)))
 
     def __bool__(self) -> bool:
         return bool(self.faults)

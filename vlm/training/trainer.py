@@ -38,7 +38,7 @@ from vlm.training.metrics import (
     train_flops_per_token,
 )
 from vlm.training.state import Progress, RunContext
-from vlm.training.train_config import TrainConfig
+from vlm.config.train import TrainConfig
 from vlm.training.zero3 import prepare_zero3, register_zero3_external
 
 
@@ -58,14 +58,13 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     """Build everything for ``cfg`` (collective), resume from ``resume`` (``auto`` or a path), then
-    ``fit()`` and ``finish()``. ``faults``: the fault plan (default: ``VLM_TRAIN_FAULT`` and
-    ``train.fault_nonfinite_steps``, read here once)."""
+    ``fit()`` and ``finish()``. ``faults``: the fault plan (default: ``VLM_TRAIN_FAULT``, read here once)."""
 
     def __init__(self, cfg: TrainConfig, resume: str | None = None, faults: Faults | None = None):
         self.cfg = cfg
         self.logger: MetricsLogger | None = None
         if faults is None:
-            faults = Faults.from_env(nonfinite_steps=cfg.train.fault_nonfinite_steps)
+            faults = Faults.from_env()
         self.faults = faults
         self.t_start = time.time()
         self.device = resolve_device(cfg.device)
