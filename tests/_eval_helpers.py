@@ -31,7 +31,7 @@ def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VL
 
     from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
     from vlm.processing import ConceptMoEVLMProcessor
-    from vlm.vlm_config import ConceptMoEVLMConfig
+    from vlm.config.vlm import ConceptMoEVLMConfig
 
     config = ConceptMoEVLMConfig.from_yaml(preset, **tokenizer_token_ids(tokenizer))
     torch.manual_seed(seed)

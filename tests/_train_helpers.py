@@ -17,7 +17,7 @@ from vlm.reliability.runs import (  # noqa: F401
     write_config,
 )
 from vlm.training.distributed import free_port
-from vlm.training.train_config import REPO_ROOT
+from vlm.config.train import REPO_ROOT
 
 
 def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, launcher: str = "torchrun",
@@ -56,7 +56,7 @@ def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool 
     """Train in this process (world size 1, gloo). Returns the Trainer."""
     import torch
 
-    from vlm.training.train_config import load_train_config
+    from vlm.config.train import load_train_config
     from vlm.training.trainer import Trainer
 
     cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))

@@ -22,7 +22,7 @@ from vlm.training.fault_injection import (
     FaultSpecError,
     parse,
 )
-from vlm.training.train_config import REPO_ROOT
+from vlm.config.train import REPO_ROOT
 
 
 def test_fault_spec_parses_to_named_points():

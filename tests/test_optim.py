@@ -10,7 +10,7 @@ import torch
 
 from vlm.training import optim
 from vlm.training.data import build_model, build_model_config
-from vlm.training.train_config import load_train_config
+from vlm.config.train import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "configs" / "train"

@@ -156,7 +156,7 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     loads, the held-out VQA scorer and the summary table."""
     from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
     from vlm.processing import ConceptMoEVLMProcessor
-    from vlm.training.train_config import read_yaml
+    from vlm.config.core import read_yaml
 
     raw = read_yaml(ROOT / "configs" / "train" / "default.yaml")
     raw = helpers.config(tmp_path, base=raw, name="vlm", train={"max_steps": 3, "micro_batch_size": 8},

@@ -8,7 +8,7 @@ import pytest
 
 from vlm.config import ConfigError
 from vlm.training.distributed import build_ds_config
-from vlm.training.train_config import load_train_config
+from vlm.config.train import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "configs" / "train"

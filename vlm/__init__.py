@@ -5,7 +5,7 @@
 from vlm.config import ConceptMoEConfig, ConfigError
 from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput
 from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
-from vlm.vlm_config import ConceptMoEVLMConfig
+from vlm.config.vlm import ConceptMoEVLMConfig
 
 __all__ = ["ConceptMoEConfig", "ConfigError", "ConceptMoEForCausalLM", "ConceptMoEOutput",
            "ConceptMoEVLMConfig", "ConceptMoEVLMForConditionalGeneration", "ImageTokenMismatch",

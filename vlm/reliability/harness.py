@@ -16,7 +16,7 @@ import yaml
 from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
 from vlm.training.distributed import free_port
-from vlm.training.train_config import REPO_ROOT
+from vlm.config.train import REPO_ROOT
 
 STEPS = 30          # optimizer steps per run
 CKPT_EVERY = 5      # checkpoint interval (steps); keep_last 2

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from vlm.training.train_config import REPO_ROOT, deep_merge
+from vlm.config.core import deep_merge
+from vlm.config.train import REPO_ROOT
 
 # torch.distributed / launcher variables a run in this process may have set, and the fault plan
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
-from vlm.training.train_config import REPO_ROOT
+from vlm.config.train import REPO_ROOT
 
 KEEP_LAST = 2
 MAX_RSS_GROWTH = 0.05

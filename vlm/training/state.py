@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vlm.training.train_config import TrainConfig
+from vlm.config.train import TrainConfig
 
 
 @dataclass
