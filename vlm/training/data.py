@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from vlm.config import ConfigError
-from vlm.training.train_config import DATA_LOADER_KEYS, TrainConfig
+from vlm.config.train import DATA_LOADER_KEYS, TrainConfig
 
 IGNORE_INDEX = -100
 
@@ -59,18 +59,21 @@ def build_model_config(cfg: TrainConfig, tokenizer=None):
     ``<image>``, ``<im_start>``, ``<im_end>``) come from the tokenizer; without one (synthetic data)
     fixed ids at the top of the preset's vocabulary are used."""
     from vlm.config import ConceptMoEConfig
-    from vlm.vlm_config import ConceptMoEVLMConfig
+    from vlm.config.vlm import ConceptMoEVLMConfig
 
     over = dict(cfg.model.overrides)
     try:
         if cfg.model.kind == "vlm":
-            if tokenizer is not None:
-                text_ids, img_ids = token_ids(tokenizer)
-            else:
-                probe = ConceptMoEVLMConfig.from_yaml(cfg.model.preset, **over)
-                text_ids, img_ids = synthetic_token_ids(probe.text_config.vocab_size)
-            merged = {**text_ids, **img_ids, **over}
-            return ConceptMoEVLMConfig.from_yaml(cfg.model.preset, **merged)
+            text_ids, img_ids = token_ids(tokenizer) if tokenizer is not None else ({}, {})
+            model_config = ConceptMoEVLMConfig.from_yaml(cfg.model.preset, **{**text_ids, **img_ids, **over})
+            if tokenizer is None:  # ids at the top of the vocabulary the preset (+ overrides) ended with
+                text_ids, img_ids = synthetic_token_ids(model_config.text_config.vocab_size)
+                for target, ids in ((model_config.text_config, text_ids), (model_config, img_ids)):
+                    for name, value in ids.items():
+                        if name not in over:
+                            setattr(target, name, value)
+                    target.validate()
+            return model_config
         text_ids = token_ids(tokenizer)[0] if tokenizer is not None else {}
         return ConceptMoEConfig.from_yaml(cfg.model.preset, **{**text_ids, **over})
     except ConfigError as err:
