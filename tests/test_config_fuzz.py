@@ -11,9 +11,9 @@ enumerates the fields of the config sections and fails when a field has no rule.
 Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults``: 8x, random):
 
     test_fuzz_model_config           41 fields x 8 = 328   ConceptMoEConfig from sectioned YAML + overrides
-    test_fuzz_vlm_config             17 fields x 8 = 136   ConceptMoEVLMConfig.from_sections (the YAML route)
+    test_fuzz_vlm_config             18 fields x 8 = 144   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        41 fields x 3 = 123   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           78 fields x 8 = 624   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           77 fields x 8 = 616   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
                                                    1211   generated cases in total
@@ -217,7 +217,7 @@ VLM_RULES = {
     "vision.backbone": st.one_of(wrong_type("str"), st.just(""),
                                  st.text(max_size=12).filter(lambda s: s not in VISION_BACKBONES)),
     "vision.model_name": st.one_of(wrong_type("str", nullable=True), st.just(""),
-                                   st.text(max_size=8).map(lambda s: "hf-hub:" + s)),
+                                   st.text(max_size=8).filter(lambda s: "/" not in s).map(lambda s: "hf-hub:" + s)),
     "vision.pretrained": st.one_of(wrong_type("str", nullable=True), st.just("")),
     "vision.trust_pickle": wrong_type("bool"),
     "vision.feature_layer": not_one_of(FEATURE_LAYERS),
@@ -303,12 +303,6 @@ def _bad_betas():
                      st.tuples(good, bad).map(list), st.tuples(bad, good).map(list))
 
 
-def _bad_step_list():
-    bad = st.one_of(st.integers(max_value=-1), TEXT, FLOATS, BOOLS, st.none())
-    return st.one_of(wrong_type("list"), st.tuples(st.lists(st.integers(1, 9), max_size=2),
-                                                   st.lists(bad, min_size=1, max_size=2)).map(lambda t: t[0] + t[1]))
-
-
 def _model_override():
     return st.sampled_from(sorted(MODEL_RULES)).flatmap(
         lambda key: MODEL_RULES[key].map(lambda value: (key, value)))
@@ -369,7 +363,6 @@ TRAIN_RULES = {
     "train.freeze": NOT_MAPPING,
     **{f"train.freeze.{part}": wrong_type("bool", nullable=True) for part in PARTS},
     "train.max_nonfinite_in_row": below(1),
-    "train.fault_nonfinite_steps": _bad_step_list(),
     "log": NOT_MAPPING,
     "log.every_steps": below(1),
     "log.progress_bar": wrong_type("bool"),

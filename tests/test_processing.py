@@ -79,6 +79,15 @@ def test_save_and_load_round_trip(processor, tmp_path):
             loaded.end_token_id) == (2, 3, 4, 0, 7)
 
 
+def test_round_trip_keeps_the_aspect_policy(processor, tmp_path):
+    padded = ConceptMoEVLMProcessor(processor.tokenizer, num_image_tokens=4, image_size=16, image_mean=[0.5] * 3,
+                                    image_std=[0.25] * 3, resample="nearest", image_aspect="pad")
+    loaded = ConceptMoEVLMProcessor.from_pretrained(padded.save_pretrained(str(tmp_path)))
+    assert loaded.image_transform.settings()["image_aspect"] == "pad"
+    wide = Image.new("RGB", (32, 8), (255, 0, 0))  # padded above and below, not stretched
+    assert torch.equal(loaded.preprocess_images([wide]), padded.preprocess_images([wide]))
+
+
 def test_mistral_folder_matches_sentencepiece(mistral_dir):
     import sentencepiece
     tok = AutoTokenizer.from_pretrained(mistral_dir)

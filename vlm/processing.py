@@ -141,7 +141,7 @@ class ConceptMoEVLMProcessor:
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         keys = ["num_image_tokens", "add_bos"]
         if "image_transform" not in overrides:
-            keys += ["image_size", "image_mean", "image_std", "resample"]
+            keys += ["image_size", "image_mean", "image_std", "resample", "image_aspect"]
         kwargs = {k: config[k] for k in keys if k in config}
         kwargs.update(overrides)
         return cls(tokenizer, **kwargs)

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
-from vision_encoders.base import HUB_PREFIXES
 from vlm.config.core import build, check, load_yaml
 from vlm.config.model import SECTIONS, ConceptMoEConfig
 
@@ -25,12 +23,12 @@ def _mapping(value, key: str) -> dict:
     return dict(value)
 
 
-def _check_vision(vision: VisionEncoderConfig) -> None:
-    """What the dataclass itself does not check: a registered backbone, a library model name."""
+def _check_vision(vision) -> None:
+    """What the section itself does not check: a registered backbone."""
+    from vision_encoders import VISION_BACKBONES
+
     check(vision.backbone in VISION_BACKBONES, "vision.backbone",
           f"unknown backbone {vision.backbone!r} (known: {', '.join(sorted(VISION_BACKBONES))})")
-    check(vision.model_name is None or not vision.model_name.startswith(HUB_PREFIXES), "vision.model_name",
-          f"must be a library model name, not a hub reference, got {vision.model_name!r}")
 
 
 class ConceptMoEVLMConfig(PretrainedConfig):
@@ -64,11 +62,15 @@ class ConceptMoEVLMConfig(PretrainedConfig):
                   name, f"must be null or a token id in [0, vocab_size={vocab}), got {value!r}")
 
     @property
-    def vision_config(self) -> VisionEncoderConfig:
+    def vision_config(self):
+        from vision_encoders import VisionEncoderConfig  # vision_encoders imports vlm.config.core
+
         return build(VisionEncoderConfig, self.vision, "vision.")
 
     @property
-    def projector_config(self) -> ProjectorConfig:
+    def projector_config(self):
+        from vision_encoders import ProjectorConfig
+
         return build(ProjectorConfig, self.projector, "projector.")
 
     @classmethod

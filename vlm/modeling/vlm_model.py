@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
-from vision_encoders import build_projector, build_vision_encoder
 from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput, ConceptMoEPreTrainedModel
-from vlm.vlm_config import ConceptMoEVLMConfig
+from vlm.config.vlm import ConceptMoEVLMConfig
 
 
 class ImageTokenMismatch(ValueError):
@@ -27,6 +26,8 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel):
     _no_split_modules = ["TransformerBlock"]
 
     def __init__(self, config: ConceptMoEVLMConfig):
+        from vision_encoders import build_projector, build_vision_encoder  # it imports vlm.config.core
+
         super().__init__(config)
         self.vision = build_vision_encoder(config.vision_config)
         for module in self.vision.modules():
