@@ -10,19 +10,11 @@ TINY_VLM_PRESET = REPO / "configs" / "model" / "vlm_tiny.yaml"
 
 
 def tokenizer_token_ids(tokenizer) -> dict:
-    from data_pipelines.common import (
-        END_TOKEN,
-        IMAGE_END_TOKEN,
-        IMAGE_START_TOKEN,
-        IMAGE_TOKEN,
-        PAD_TOKEN,
-    )
+    """The model-config token fields (vocabulary size, text and image ids) the trainer takes from it."""
+    from vlm.training.data import token_ids
 
-    vocab = tokenizer.get_vocab()
-    return {"vocab_size": len(tokenizer), "pad_token_id": vocab.get(PAD_TOKEN, 0),
-            "eos_token_id": vocab.get(END_TOKEN, tokenizer.eos_token_id),
-            "image_token_id": vocab[IMAGE_TOKEN], "im_start_token_id": vocab[IMAGE_START_TOKEN],
-            "im_end_token_id": vocab[IMAGE_END_TOKEN]}
+    text_ids, image_ids = token_ids(tokenizer)
+    return {**text_ids, **image_ids}
 
 
 def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VLM_PRESET):
