@@ -1,23 +1,7 @@
-"""Perplexity, bits per byte and the achieved compression ratio of a checkpoint's language model on text.
+"""Perplexity, bits per byte and the achieved compression ratio of a checkpoint's language model on
+text (``evaluate_text`` states the method).
 
     python -m eval_suites.text_eval --checkpoint runs/train-vlm/hf --text data/default/shakespeare_val.txt
-    python -m eval_suites.text_eval --checkpoint DIR --text FILE --seq-len 512 --max-tokens 20000 --json out.json
-
-The checkpoint is an HF export folder: a VLM (``model_type: conceptmoe_vlm``; its
-``language_model`` is scored) or a text-only ``ConceptMoEForCausalLM`` (``conceptmoe``), with the
-tokenizer files in the same folder (or ``--tokenizer DIR``).
-
-Method: the file is tokenised as plain text (special-token strings in it stay ordinary text),
-preceded by the end-of-text token as the document start, so every text token is predicted. The
-stream is cut into consecutive windows of ``--seq-len`` predicted tokens (each window sees only its
-own tokens as context: standard non-overlapping evaluation, which slightly overstates perplexity
-against a sliding window). The model runs in eval mode, where ConceptMoE boundaries are hard
-(``p >= 0.5``), exactly as in generation.
-
-Reported: ``tokens`` scored, ``bytes`` (UTF-8 bytes of the scored text), ``nll_per_token`` (nats),
-``perplexity`` = exp(nll/token), ``bits_per_token``, ``bits_per_byte`` = total nll / (ln 2 x
-bytes) (tokenizer independent), and with chunking on: ``compression_ratio`` = tokens / concepts
-over all windows (R; ``target_ratio`` from the config for comparison) and ``concepts``.
 """
 from __future__ import annotations
 
@@ -104,6 +88,24 @@ def score_stream(model, stream: list[int], seq_len: int, batch_size: int = 8, de
 def evaluate_text(checkpoint: str, text_path: str, seq_len: int | None = None, batch_size: int = 8,
                   max_tokens: int | None = None, tokenizer_dir: str | None = None, dtype: str = "float32",
                   device: str = "cpu") -> dict:
+    """Score ``text_path`` with the checkpoint's language model; returns the numbers listed below.
+
+    The checkpoint is an HF export folder: a VLM (``model_type: conceptmoe_vlm``; its
+    ``language_model`` is scored) or a text-only ``ConceptMoEForCausalLM`` (``conceptmoe``), with the
+    tokenizer files in the same folder (or ``--tokenizer DIR``).
+
+    Method: the file is tokenised as plain text (special-token strings in it stay ordinary text),
+    preceded by the end-of-text token as the document start, so every text token is predicted. The
+    stream is cut into consecutive windows of ``--seq-len`` predicted tokens (each window sees only its
+    own tokens as context: standard non-overlapping evaluation, which slightly overstates perplexity
+    against a sliding window). The model runs in eval mode, where ConceptMoE boundaries are hard
+    (``p >= 0.5``), exactly as in generation.
+
+    Reported: ``tokens`` scored, ``bytes`` (UTF-8 bytes of the scored text), ``nll_per_token`` (nats),
+    ``perplexity`` = exp(nll/token), ``bits_per_token``, ``bits_per_byte`` = total nll / (ln 2 x
+    bytes) (tokenizer independent), and with chunking on: ``compression_ratio`` = tokens / concepts
+    over all windows (R; ``target_ratio`` from the config for comparison) and ``concepts``.
+    """
     from transformers import AutoTokenizer
 
     from vlm.modeling.chunking import achieved_ratio

@@ -11,16 +11,8 @@ from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS
 from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
 from open_clip.transformer import VisionTransformer
 
-from vision_encoders.base import (
-    META_SOURCE,
-    VisionEncoder,
-    VisionEncoderConfig,
-    check_tower,
-    on_meta_device,
-    random_init,
-    resolve_model_name,
-    resolve_weights,
-)
+from vision_encoders.base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
+from vision_encoders.base import random_init, resolve_model_name, resolve_weights
 from vision_encoders.hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
 from vlm.config.core import fail
 

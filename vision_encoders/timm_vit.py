@@ -6,16 +6,8 @@ import timm
 import torch
 from timm.models import get_pretrained_cfg, split_model_name_tag
 
-from vision_encoders.base import (
-    META_SOURCE,
-    VisionEncoder,
-    VisionEncoderConfig,
-    check_tower,
-    on_meta_device,
-    random_init,
-    resolve_model_name,
-    resolve_weights,
-)
+from vision_encoders.base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
+from vision_encoders.base import random_init, resolve_model_name, resolve_weights
 from vision_encoders.hub import (
     check_pickle,
     hub_id,

@@ -1,28 +1,5 @@
-"""Training metrics: per-micro-batch accumulation, cross-rank reduction, and rank-0 sinks.
-
-Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``
-and the same scalars to TensorBoard (``runs/<name>/tb``), and updates the tqdm bar. Keys:
-
-    step, time_s, loss, lm_loss, ratio_loss, lb_loss, z_loss   (means over the window's
-                                                      micro-batches and ranks; ``loss`` is the
-                                                      weighted total the model optimises)
-    ratio, ratio_image, ratio_text   achieved R = tokens / concepts, pooled over the window
-    boundary_prob                    mean router probability p over real tokens
-    expert_load                      [layer run][expert] fraction of routed assignments
-    expert_load_max                  max over layers of (busiest expert's fraction x E): 1 = balanced
-    tokens, tokens_per_s, samples_per_s, mfu, flops_per_token (training, LM only)
-    lr (first group), lr_groups {group: lr}, grad_norm
-    skipped_steps (total), nonfinite_in_row, nonfinite_loss (micro-batches in the window)
-    skipped_samples {reason: count}  cumulative bad-data counts of the loader, summed over ranks
-
-With ``eval.every_steps`` extra lines hold the periodic held-out score instead: step,
-eval_vqa_accuracy, eval_vqa_<kind> (digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
-
-MFU = tokens/s x training FLOPs per token / (peak FLOP/s per device x devices). FLOPs per token
-come from ``vlm.flops.flops_per_token(text_config, seq_len, ratio)['train_total']`` (3 x forward)
-at the window's mean row length and achieved ratio; the vision tower is not counted. Without
-``vlm.flops`` MFU is left out. ``log.peak_flops`` overrides the per-device guess (``guess_peak_flops``).
-"""
+"""Training metrics: per-micro-batch accumulation, cross-rank reduction, rank-0 sinks (metrics.jsonl,
+TensorBoard, the progress bar) and MFU; ``MetricsLogger`` lists the keys of a record."""
 from __future__ import annotations
 
 import json
@@ -184,7 +161,31 @@ def train_flops_per_token(text_config, seq_len: float, ratio: float | None) -> f
 
 
 class MetricsLogger:
-    """Rank-0 sinks: tqdm bar, TensorBoard, JSONL. Other ranks get a no-op instance."""
+    """Rank-0 sinks: tqdm bar, TensorBoard, JSONL. Other ranks get a no-op instance.
+
+    Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``
+    and the same scalars to TensorBoard (``runs/<name>/tb``), and updates the tqdm bar. Keys:
+
+        step, time_s, loss, lm_loss, ratio_loss, lb_loss, z_loss   (means over the window's
+                                                          micro-batches and ranks; ``loss`` is the
+                                                          weighted total the model optimises)
+        ratio, ratio_image, ratio_text   achieved R = tokens / concepts, pooled over the window
+        boundary_prob                    mean router probability p over real tokens
+        expert_load                      [layer run][expert] fraction of routed assignments
+        expert_load_max                  max over layers of (busiest expert's fraction x E): 1 = balanced
+        tokens, tokens_per_s, samples_per_s, mfu, flops_per_token (training, LM only)
+        lr (first group), lr_groups {group: lr}, grad_norm
+        skipped_steps (total), nonfinite_in_row, nonfinite_loss (micro-batches in the window)
+        skipped_samples {reason: count}  cumulative bad-data counts of the loader, summed over ranks
+
+    With ``eval.every_steps`` extra lines hold the periodic held-out score instead: step,
+    eval_vqa_accuracy, eval_vqa_<kind> (digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
+
+    MFU = tokens/s x training FLOPs per token / (peak FLOP/s per device x devices). FLOPs per token
+    come from ``vlm.flops.flops_per_token(text_config, seq_len, ratio)['train_total']`` (3 x forward)
+    at the window's mean row length and achieved ratio; the vision tower is not counted. Without
+    ``vlm.flops`` MFU is left out. ``log.peak_flops`` overrides the per-device guess (``guess_peak_flops``).
+    """
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int, progress_bar: bool,
                  tensorboard: bool, jsonl: bool):
@@ -264,8 +265,3 @@ def _jsonable(obj):
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     return obj
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

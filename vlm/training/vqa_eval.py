@@ -1,18 +1,5 @@
-"""Held-out digits VQA accuracy: greedy generation, exact match of the answer.
-
-``digits_vqa_accuracy(model, processor, json_path, image_root, limit)`` reads a LLaVA JSON split
-(``data/default/digits_test.json``: one image and one question per record, answer = the gpt
-turn), takes the first ``limit`` records in file order (the file interleaves the three question
-kinds: digit, parity, plus one), builds left-padded generation prompts with the processor,
-generates greedily up to ``max_new_tokens`` tokens (stopping at ``<|end|>``), and counts a hit when
-the decoded reply, stripped of whitespace, equals the answer exactly. It also runs one forward
-pass over each prompt batch in eval mode (hard boundaries ``p >= 0.5``) to report the achieved
-compression ratio R = tokens / concepts, pooled and per modality (image / text tokens).
-
-Returns ``{"accuracy", "correct", "total", "by_kind": {kind: accuracy}, "ratio", "ratio_image",
-"ratio_text", "examples": [first few (question, answer, prediction)]}``. Chance level: 10% for
-"What digit is this?", 50% for parity.
-"""
+"""Held-out digits VQA accuracy (greedy generation, exact match) and the achieved compression ratio
+on the prompts."""
 from __future__ import annotations
 
 import json
@@ -39,6 +26,19 @@ def _question_answer(record: dict) -> tuple[str, str]:
 @torch.no_grad()
 def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | None = 300, batch_size: int = 64,
                         max_new_tokens: int = 4, num_examples: int = 5) -> dict:
+    """Accuracy on a LLaVA JSON split: reads it
+    (``data/default/digits_test.json``: one image and one question per record, answer = the gpt
+    turn), takes the first ``limit`` records in file order (the file interleaves the three question
+    kinds: digit, parity, plus one), builds left-padded generation prompts with the processor,
+    generates greedily up to ``max_new_tokens`` tokens (stopping at ``<|end|>``), and counts a hit when
+    the decoded reply, stripped of whitespace, equals the answer exactly. It also runs one forward
+    pass over each prompt batch in eval mode (hard boundaries ``p >= 0.5``) to report the achieved
+    compression ratio R = tokens / concepts, pooled and per modality (image / text tokens).
+
+    Returns ``{"accuracy", "correct", "total", "by_kind": {kind: accuracy}, "ratio", "ratio_image",
+    "ratio_text", "examples": [first few (question, answer, prediction)]}``. Chance level: 10% for
+    "What digit is this?", 50% for parity.
+    """
     from data_pipelines.images import load_image
 
     with open(json_path, encoding="utf-8") as f:
