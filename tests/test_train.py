@@ -155,8 +155,8 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     """The real loader + processor: a few steps, HF export (model + processor) that from_pretrained
     loads, the held-out VQA scorer and the summary table."""
     from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-    from vlm.processing import ConceptMoEVLMProcessor
     from vlm.config.core import read_yaml
+    from vlm.processing import ConceptMoEVLMProcessor
 
     raw = read_yaml(ROOT / "configs" / "train" / "default.yaml")
     raw = helpers.config(tmp_path, base=raw, name="vlm", train={"max_steps": 3, "micro_batch_size": 8},
@@ -169,7 +169,9 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     assert proc.num_image_tokens == model.num_image_tokens
     summary = (tmp_path / "vlm" / "summary.json").read_text()
     result = json.loads(summary)["eval"]
-    assert result["total"] == 6 and 0.0 <= result["accuracy"] <= 1.0 and "ratio_image" in result
+    # 3 steps learn nothing: check the scorer's bookkeeping, not a level
+    assert result["total"] == 6 and isinstance(result["correct"], int) and result["accuracy"] == result["correct"] / 6
+    assert "ratio_image" in result
     rec = helpers.records(tmp_path / "vlm")[-1]
     assert "ratio_image" in rec and "ratio_text" in rec and "skipped_samples" in rec
     assert any((tmp_path / "vlm" / "tb").iterdir())
