@@ -102,7 +102,9 @@ def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        # the results folder is this run's output, not a change to the code that was measured
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
