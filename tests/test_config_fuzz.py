@@ -155,6 +155,9 @@ MODEL_RULES = {
     "attention.rope_theta": bad_float(0, strict=True),
     "attention.max_position_embeddings": below(1),
     "attention.rms_norm_eps": bad_float(0, strict=True),
+    "attention.qkv_bias": wrong_type("bool"),
+    "attention.o_proj_bias": wrong_type("bool"),
+    "attention.qk_norm": not_one_of(("none", "head", "full")),
     "moe.num_experts": below(2),  # 1 < top_k = 2
     "moe.top_k": st.one_of(below(1), above(8)),
     "moe.moe_intermediate_size": below(1),
@@ -165,6 +168,7 @@ MODEL_RULES = {
     "moe.router_aux_loss_coef": bad_float(0),
     "moe.router_z_loss_coef": bad_float(0),
     "moe.moe_dispatch": not_one_of(("sorted", "loop")),
+    "moe.shared_expert_gate": st.one_of(wrong_type("bool"), st.just(True)),  # True: the base has no shared expert
     "chunking.enabled": wrong_type("bool"),
     "chunking.encoder_layers": st.one_of(below(1), above(2)),  # >= 3 leaves no concept layer
     "chunking.decoder_layers": st.one_of(below(1), above(2)),

@@ -2,6 +2,12 @@
 section 7); ``--check`` proves the R = 1 identity against the baseline.
 
     python -m vlm.convert --from runs/moe/hf --to runs/moe_to_concept --ratio 1.5 --strategy loop [--check]
+    python -m vlm.convert --from <transformers folder> --to out [--ratio R --strategy topk|loop] [--check]
+
+A transformers checkpoint (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE; see
+``vlm/hf_import``) is imported first: without ``--ratio`` the result is that plain import (chunking off,
+same logits; ``--check`` compares them with the transformers model's), with ``--ratio`` the imported
+model is then converted as above (``--check``: the R = 1 identity against the transformers model).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 
 from vlm.config import ConceptMoEConfig
 from vlm.flops.matching import solve_match
+from vlm.hf_import import hf_family, import_hf
 from vlm.modeling.hf import ConceptMoEForCausalLM
 from vlm.safe_loading import require_safetensors
 
@@ -66,7 +73,7 @@ def _load_base(cls, src: Path):
         raise ValueError(f"{src}: cannot read the weights ({first})") from None
 
 
-def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=None, decoder_layers=None,
+def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_layers=None, decoder_layers=None,
             joint_decoding_layers: int = 4, seed: int = 0):
     """Convert the HF export ``src`` (a plain MoE, LM or VLM) into a ConceptMoE at ``dst``.
 
@@ -88,7 +95,18 @@ def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=No
     require_safetensors(src)
     kind = _load_kind(src)
     torch.manual_seed(seed)
-    if kind == "conceptmoe_vlm":
+    if hf_family(src) is not None:  # a transformers checkpoint: the plain import first
+        base = import_hf(src)
+        if ratio is None:
+            dst.mkdir(parents=True, exist_ok=True)
+            base.save_pretrained(dst)
+            _copy_extras(src, dst)
+            return base, base, []
+    ratio = 1.5 if ratio is None else ratio
+    if hf_family(src) is not None:
+        model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
+                                                            decoder_layers, joint_decoding_layers))
+    elif kind == "conceptmoe_vlm":
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
         base = _load_base(ConceptMoEVLMForConditionalGeneration, src)
         new_text = converted_text_config(base.config.text_config, ratio, strategy, encoder_layers, decoder_layers,
@@ -107,10 +125,14 @@ def convert(src: Path, dst: Path, ratio: float, strategy: str, encoder_layers=No
     new_keys = copy_weights(base, model)
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst)
+    _copy_extras(src, dst)
+    return base, model, new_keys
+
+
+def _copy_extras(src: Path, dst: Path) -> None:
     for extra in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (src / extra).exists():
             shutil.copy2(src / extra, dst / extra)
-    return base, model, new_keys
 
 
 @torch.no_grad()
@@ -129,7 +151,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="src", required=True, help="HF export of a plain MoE (LM or VLM)")
     ap.add_argument("--to", dest="dst", required=True)
-    ap.add_argument("--ratio", type=float, default=1.5)
+    ap.add_argument("--ratio", type=float, default=None,
+                    help="target ratio R (default 1.5; for a transformers checkpoint none = the plain import)")
     ap.add_argument("--strategy", choices=("topk", "loop"), default="topk")
     ap.add_argument("--encoder-layers", type=int, default=None)
     ap.add_argument("--decoder-layers", type=int, default=None)
@@ -146,12 +169,24 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if hf_family(src) is not None and args.ratio is None:
+        print(f"imported {src} ({hf_family(src)}) -> {dst}: plain ConceptMoE (chunking off), "
+              f"{sum(p.numel() for p in model.parameters())} parameters")
+        if args.check:
+            from vlm.hf_import.check import logit_gap, reference_model
+            gap = logit_gap(model, reference_model(src), model.config.vocab_size)
+            print(f"import check: max |logit difference| vs transformers = {gap:.3e}")
+            return 1 if gap > 1e-4 else 0
+        return 0
     text = getattr(model, "language_model", model).config
     print(f"converted {src} -> {dst}: L_E={text.encoder_layers} L_C={text.concept_layers} "
           f"L_D={text.decoder_layers} R={text.target_ratio} concept_top_k={text.concept_top_k} "
           f"loops={text.concept_loop_layers}x{text.concept_loop_times} joint={text.joint_decoding_layers}; "
           f"{len(new_keys)} new tensors (chunker, joint decoding)")
     if args.check:
+        if hf_family(src) is not None:  # the R = 1 identity against the transformers model itself
+            from vlm.hf_import.check import reference_model
+            base = reference_model(src)
         gap = identity_gap(base, model, text.vocab_size)
         print(f"R=1 identity check: max |logit difference| = {gap:.3e}")
         if gap > 1e-4:

@@ -23,6 +23,10 @@ class AttentionConfig(Section):
     rope_theta: Num(gt=0) = 10000.0
     max_position_embeddings: PosInt = 4096
     rms_norm_eps: Num(gt=0) = 1e-6
+    # imported families (vlm/hf_import): off by default, so existing checkpoints are unchanged
+    qkv_bias: bool = False  # q/k/v projections with bias (Qwen2, Llama attention_bias)
+    o_proj_bias: bool = False  # output projection with bias (Llama attention_bias)
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q/k per head (Qwen3) or whole projection (OLMoE)
 
     def check_layout(self) -> None:
         check(self.hidden_size % self.num_attention_heads == 0, "attention.hidden_size",
@@ -46,10 +50,13 @@ class MoEConfig(Section):
     router_aux_loss_coef: Num(ge=0) = 0.01  # switch load-balancing loss weight
     router_z_loss_coef: Num(ge=0) = 0.001
     moe_dispatch: Literal["sorted", "loop"] = "sorted"  # dropless grouped | reference loop
+    shared_expert_gate: bool = False  # shared expert scaled by sigmoid(x W_g) (Qwen2-MoE)
 
     def check_layout(self) -> None:
         check(self.top_k <= self.num_experts, "moe.top_k",
               f"must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
+        check(not self.shared_expert_gate or self.shared_expert_intermediate_size > 0, "moe.shared_expert_gate",
+              "needs a shared expert (moe.shared_expert_intermediate_size > 0)")
 
 
 class ChunkingConfig(Section):

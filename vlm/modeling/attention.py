@@ -131,10 +131,19 @@ class Attention(nn.Module):
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim or hidden_size // cfg.num_attention_heads
-        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=False)
+        qkv_bias = getattr(cfg, "qkv_bias", False)
+        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=getattr(cfg, "o_proj_bias", False))
+        # QK-norm (imported families): "head" = RMSNorm over each head's dim (Qwen3), "full" = over
+        # the whole q / k projection before the head split (OLMoE); both before RoPE
+        self.qk_norm = getattr(cfg, "qk_norm", "none")
+        if self.qk_norm != "none":
+            q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm == "head" else \
+                (self.n_heads * self.head_dim, self.n_kv * self.head_dim)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.joint = joint
         if joint:  # joint decoding: Q = zWq + cWq^c, K = zWk + cWk^c, V = zWv + cWv^c
             self.q_c_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False)
@@ -154,7 +163,11 @@ class Attention(nn.Module):
             q = q + self.q_c_proj(concept_BTD)
             k = k + self.k_c_proj(concept_BTD)
             v = v + self.v_c_proj(concept_BTD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self._split(q, self.n_heads), self._split(k, self.n_kv), self._split(v, self.n_kv)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and fill is None:

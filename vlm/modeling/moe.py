@@ -76,6 +76,9 @@ class MoEFeedForward(nn.Module):
         self.w_down = nn.Parameter(torch.empty(cfg.num_experts, inter, hidden))
         self.shared = SwiGLU(hidden, cfg.shared_expert_intermediate_size) \
             if cfg.shared_expert_intermediate_size > 0 else None
+        # Qwen2-MoE: the shared expert's output scaled by sigmoid(x W_g), one scalar per token
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) \
+            if self.shared is not None and getattr(cfg, "shared_expert_gate", False) else None
 
     def route(self, x_ND: torch.Tensor):
         logits_NE = self.router(x_ND).float()
@@ -119,7 +122,10 @@ class MoEFeedForward(nn.Module):
         run = self.experts_loop if self.dispatch == "loop" else self.experts_sorted
         y_ND, counts_E = run(x_ND, weights_NK, experts_NK)
         if self.shared is not None:
-            y_ND = y_ND + self.shared(x_ND)
+            shared_ND = self.shared(x_ND)
+            if self.shared_gate is not None:
+                shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
+            y_ND = y_ND + shared_ND
         if keep is not None and x_ND.shape[0] != B * T:
             y_ND = x_BTD.new_zeros(B * T, D).index_put((keep.nonzero()[:, 0],), y_ND)
         stats = self.losses(logits_NE, probs_NE, counts_E)
