@@ -63,6 +63,9 @@ def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id)
     return {**sample, "input_ids": ids[:cut], "labels": labels[:cut], "pixel_values": pixel_values}
 
 
+SKIP_EXAMPLES = 3  # Skips per reason a batch carries in `skip_examples` (the rest are only counted)
+
+
 class PadCollator:
     """One sample per row, padded to the longest row of the batch.
 
@@ -85,19 +88,24 @@ class PadCollator:
 
     def __call__(self, items) -> dict:
         samples, skipped = self.prepare(items)
-        return self.assemble(self.make_rows(samples), skipped)
+        batch = self.assemble(self.make_rows(samples), skipped)
+        batch["skip_examples"] = list(getattr(self, "_last_skips", ()))
+        return batch
 
     def make_rows(self, samples):
         return [[sample] for sample in samples]
 
     def prepare(self, items):
         """Drop Skips (counting them), truncate, and mask the first token of every sample."""
-        samples, skipped = [], Counter()
+        samples, skipped, examples = [], Counter(), []
+        self._last_skips = examples  # the first Skips of each reason, for __call__ (one call at a time)
         for item in items:
             if not isinstance(item, Skip):
                 item = truncate_sample(item, self.max_length, self.image_start_id, self.image_end_id)
             if isinstance(item, Skip):
                 skipped[item.reason] += 1
+                if skipped[item.reason] <= SKIP_EXAMPLES:
+                    examples.append(item)
                 continue
             labels = item["labels"].clone()
             labels[0] = IGNORE_INDEX

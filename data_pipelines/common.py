@@ -4,7 +4,7 @@ checks (records and skips: data_pipelines/README.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # dataset types a mixture can read (the training config validates against this list)
 DATASET_TYPES = ("llava_json", "text")
@@ -48,6 +48,13 @@ class Skip:
     reason: str
     sample_id: str = "?"
     detail: str = ""
+    where: str = field(default="", compare=False)  # "<file>#<record index>", set by the mixture
+
+    def describe(self) -> str:
+        """One line for a person: reason, record id, where it came from, detail."""
+        where = f" ({self.where})" if self.where else ""
+        detail = f": {self.detail}" if self.detail else ""
+        return f"{self.reason}: record {self.sample_id}{where}{detail}"
 
 
 def turn_role_and_text(turn: dict) -> tuple[str, str]:

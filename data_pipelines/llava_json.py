@@ -104,8 +104,13 @@ class LlavaJsonDataset(Dataset):
             return problem
         images = []
         for rel in paths:
-            image = load_image(os.path.join(self.image_root, rel), self.max_image_pixels, sample_id)
+            full = os.path.join(self.image_root, rel)
+            image = load_image(full, self.max_image_pixels, sample_id)
             if isinstance(image, Skip):
+                if full not in image.detail:  # name the image file in every image skip
+                    image = Skip(image.reason, image.sample_id, f"image {full}: {image.detail}")
+                elif image.detail == full:
+                    image = Skip(image.reason, image.sample_id, f"image {full} not found")
                 return image
             images.append(image)
         return {"id": sample_id, "conversations": record["conversations"], "images": images}

@@ -6,6 +6,7 @@ and O(1) to compute per position, so resuming never iterates to skip.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter, OrderedDict
 
@@ -15,7 +16,7 @@ import yaml
 from torch.utils.data import DataLoader, Dataset
 
 from .collate import PackingCollator, PadCollator
-from .common import DATASET_TYPES
+from .common import DATASET_TYPES, Skip
 from .encode import SampleEncoder
 from .images import DEFAULT_MAX_PIXELS
 from .llava_json import LlavaJsonDataset
@@ -116,7 +117,12 @@ class MixtureDataset(Dataset):
 
     def __getitem__(self, position: int):
         k, j = self.schedule(position)
-        return self.encoder(self.datasets[k][j])
+        out = self.encoder(self.datasets[k][j])
+        if isinstance(out, Skip) and not out.where:
+            ds = self.datasets[k]
+            src = getattr(ds, "path", None) or self.names[k]
+            out = dataclasses.replace(out, where=f"{src}#{j}")
+        return out
 
 
 class RankBatchSampler:
@@ -156,7 +162,8 @@ class MixtureLoader:
     def __init__(self, dataset: MixtureDataset, collator, batch_size: int, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, max_bad_fraction: float = 0.01,
                  min_samples_for_bad_check: int = 200, num_samples: int | None = None,
-                 prefetch_factor: int | None = None, pin_memory: bool = False):
+                 prefetch_factor: int | None = None, pin_memory: bool = False, report=None,
+                 report_first: int = 3):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         self.dataset, self.collator, self.batch_size = dataset, collator, int(batch_size)
@@ -166,6 +173,10 @@ class MixtureLoader:
         self.local_consumed = 0  # positions of THIS rank already handed out in yielded batches
         self.bad_counts: Counter = Counter()
         self.seen = 0  # positions of this rank processed (kept + skipped)
+        # report(line): called for the first `report_first` skips of each reason (id, file#index,
+        # detail); None = silent. The trainer sets it on rank 0.
+        self.report, self.report_first = report, int(report_first)
+        self.reported: Counter = Counter()
 
     @property
     def seed(self) -> int:
@@ -202,6 +213,7 @@ class MixtureLoader:
             self.local_consumed += positions
             self.seen += positions
             self.bad_counts.update(batch["skipped"])
+            self._report(batch.pop("skip_examples", None) or ())
             self._check_bad_fraction()
             pending.update(batch["skipped"])
             if batch["num_samples"] > 0:
@@ -209,13 +221,25 @@ class MixtureLoader:
                 pending = Counter()
                 yield batch
 
+    def _report(self, skips) -> None:
+        if self.report is None:
+            return
+        for skip in skips:
+            n = self.reported[skip.reason]
+            if n >= self.report_first:
+                continue
+            self.reported[skip.reason] = n + 1
+            more = (f" (further {skip.reason} skips are only counted)" if n + 1 == self.report_first else "")
+            self.report(f"[data] skipped sample, {skip.describe()}{more}")
+
     def _check_bad_fraction(self) -> None:
         bad = sum(self.bad_counts.values())
         if self.seen >= self.min_samples_for_bad_check and bad > self.max_bad_fraction * self.seen:
             detail = ", ".join(f"{k}={v}" for k, v in self.bad_counts.most_common())
             raise TooMuchBadData(
                 f"too much bad data on rank {self.rank}: {bad} of {self.seen} samples skipped "
-                f"({bad / self.seen:.2%} > max_bad_fraction {self.max_bad_fraction:.2%}): {detail}")
+                f"({bad / self.seen:.2%} > data.max_bad_fraction {self.max_bad_fraction:.2%}): {detail}; "
+                f"fix or remove those records, or raise data.max_bad_fraction")
 
 
 # ----- entry point -----
