@@ -101,3 +101,30 @@ def test_cli_check_against_transformers(tmp_path, capsys):
     assert "import check" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "conceptmoe" and cfg["qk_norm"] == "head"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_ratio_after_import_keeps_the_r1_identity_against_transformers(tmp_path, capsys, family):
+    _, src = _save(tmp_path, *FAMILIES[family])
+    capsys.readouterr()
+    assert main(["--from", str(src), "--to", str(tmp_path / "out"), "--ratio", "1.5", "--strategy", "loop",
+                 "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "R=1 identity check" in out
+    converted = ConceptMoEForCausalLM.from_pretrained(tmp_path / "out")
+    assert converted.config.chunking and converted.config.qk_norm == import_hf(src).config.qk_norm
+
+
+@torch.no_grad()
+def test_imported_model_generates_like_transformers(tmp_path):
+    """Cached decoding (our KV cache, QK-norm and biases in the decode step) against transformers'
+    greedy generate on a left-padded batch."""
+    ref, src = _save(tmp_path, *FAMILIES["qwen2_moe"])
+    ours = import_hf(src)
+    ids = torch.randint(3, SMALL["vocab_size"], (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    a = ours.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
+    b = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                     pad_token_id=0)
+    assert torch.equal(a[:, -6:], b[:, -6:])
