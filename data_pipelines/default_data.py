@@ -73,6 +73,7 @@ def build_digits(out: str) -> dict:
             for key, question, answer in QUESTIONS:
                 records.append({
                     "id": f"digits-{i}-{key}",
+                    "kind": key,  # the question kind: eval.breakdown_by: kind
                     "image": f"digits/{i}.png",
                     "conversations": [{"from": "human", "value": f"<image>\n{question}"},
                                       {"from": "gpt", "value": answer(digit)}],

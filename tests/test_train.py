@@ -172,6 +172,7 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
     # 3 steps learn nothing: check the scorer's bookkeeping, not a level
     assert result["total"] == 6 and isinstance(result["correct"], int) and result["accuracy"] == result["correct"] / 6
     assert "ratio_image" in result
+    assert set(result["by_kind"]) == {"digit", "parity", "plus_one"}  # eval.breakdown_by: kind (record field)
     rec = helpers.records(tmp_path / "vlm")[-1]
     assert "ratio_image" in rec and "ratio_text" in rec and "skipped_samples" in rec
     assert any((tmp_path / "vlm" / "tb").iterdir())

@@ -26,7 +26,7 @@ vlm/training/train_config.py). --resume auto continues from the newest complete 
 run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a checkpoint folder
 (.../step_000123) or a checkpoint dir.
 
-Exit codes: 0 done, 2 config error, 3 aborted on non-finite steps, 4 a collective failed (another
+Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted on non-finite steps, 4 a collective failed (another
 rank died or stalled longer than dist_timeout_s), 5 a checkpoint could not be written (e.g. disk
 full; the previous one is intact).
 """
@@ -81,11 +81,15 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, NotJSONError, ResumeError, FaultSpecError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    from data_pipelines.mixture import TooMuchBadData
     from vlm.training.distributed import collective_failure
 
     try:
         trainer.fit()
         trainer.finish()
+    except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     except NonFiniteAbort as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 3

@@ -142,6 +142,7 @@ class EvalSection(Section):
     max_new_tokens: PosInt = 4
     every_steps: NonNegInt = 0  # also score during training (rank 0, live weights, ZeRO-1/2) every N steps
     periodic_limit: PosInt = 100  # questions per periodic score
+    breakdown_by: Text | None = None  # a record field (e.g. kind): accuracy per value too; null = none
 
 
 class TrainConfig(Section):

@@ -58,7 +58,8 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
             model = model.to(ctx.model_device).float() if ctx.device == "cpu" else model.to(ctx.model_device)
             t0 = time.perf_counter()
             result = digits_vqa_accuracy(model, ctx.processor, e.vqa_json, e.image_root or "", e.limit,
-                                         batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
+                                         batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+                                         breakdown_by=e.breakdown_by)
             result["eval_time_s"] = time.perf_counter() - t0
     barrier()
     return result
@@ -67,13 +68,18 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
 def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: float,
                   eval_result: dict | None) -> str:
     rec = progress.last_record
-    rows = [("steps", f"{progress.step} ({progress.skipped_steps} skipped)"),
-            ("final train loss (lm)", f"{rec.get('loss', float('nan')):.4f} ({rec.get('lm_loss', float('nan')):.4f})")]
+    bad = {k: int(v) for k, v in (rec.get("skipped_samples") or {}).items() if v}  # loader, all ranks
+    rows = [("optimizer steps", f"{progress.step} ({progress.skipped_steps} skipped: non-finite)"),
+            ("skipped samples (bad data)", f"{sum(bad.values())}")]
+    rows += [(f"  {reason}", f"{n}") for reason, n in sorted(bad.items(), key=lambda kv: (-kv[1], kv[0]))]
+    rows.append(("final train loss (lm)",
+                 f"{rec.get('loss', float('nan')):.4f} ({rec.get('lm_loss', float('nan')):.4f})"))
     if eval_result:
         acc = f"{eval_result['accuracy']:.1%} ({eval_result['correct']}/{eval_result['total']})"
         rows.append(("held-out VQA accuracy", acc))
+        field = eval_result.get("breakdown_by")
         for kind, acc in eval_result.get("by_kind", {}).items():
-            rows.append((f"  {kind}", f"{acc:.1%}"))
+            rows.append((f"  {field}={kind}" if field and field != "kind" else f"  {kind}", f"{acc:.1%}"))
         for key in ("ratio", "ratio_image", "ratio_text"):
             if key in eval_result:
                 rows.append((f"eval achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
@@ -105,7 +111,8 @@ def finish(ctx: RunContext, progress: Progress, peak_flops: float, t_start: floa
     if ctx.is_main:
         print(table, flush=True)
         with open(ctx.run_dir / "summary.json", "w", encoding="utf-8") as f:
-            json.dump({"step": progress.step, "skipped_steps": progress.skipped_steps, "eval": result,
+            json.dump({"step": progress.step, "skipped_steps": progress.skipped_steps,
+                       "skipped_samples": dict(progress.last_record.get("skipped_samples") or {}), "eval": result,
                        "train_time_s": progress.train_time_s, "wall_time_s": time.time() - t_start,
                        "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)

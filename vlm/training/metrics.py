@@ -161,7 +161,8 @@ def train_flops_per_token(text_config, seq_len: float, ratio: float | None) -> f
 
 
 class MetricsLogger:
-    """Rank-0 sinks: tqdm bar, TensorBoard, JSONL. Other ranks get a no-op instance.
+    """Rank-0 sinks: tqdm bar (or, with the bar off, one ``progress_line`` per log step), TensorBoard,
+    JSONL. Other ranks get a no-op instance.
 
     Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``
     and the same scalars to TensorBoard (``runs/<name>/tb``), and updates the tqdm bar. Keys:
@@ -190,6 +191,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int, progress_bar: bool,
                  tensorboard: bool, jsonl: bool):
         self.enabled = enabled
+        self.total_steps = total_steps
         self.bar = self.tb = self.jsonl = None
         if not enabled:
             return
@@ -223,6 +225,8 @@ class MetricsLogger:
                 post["R"] = f"{record['ratio']:.2f}"
             post["tok/s"] = f"{record.get('tokens_per_s', 0):.0f}"
             self.bar.set_postfix(post, refresh=False)
+        elif "loss" in record:  # no bar: one line per log step, so a plain log shows progress too
+            print(progress_line(record, self.total_steps), flush=True)
         if self.tb is not None:
             for key, val in record.items():
                 if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and key != "step":
@@ -255,6 +259,19 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.close()
         self.bar = self.tb = self.jsonl = None
+
+
+def progress_line(record: dict, total_steps: int | None = None) -> str:
+    """``[train] step 10/100 loss 2.3456 R 2.01 tokens/s 1,234`` (+ skipped samples when any)."""
+    step = f"{record['step']}/{total_steps}" if total_steps else f"{record['step']}"
+    parts = [f"[train] step {step}", f"loss {record.get('loss', float('nan')):.4f}"]
+    if record.get("ratio") is not None:
+        parts.append(f"R {record['ratio']:.2f}")
+    parts.append(f"tokens/s {record.get('tokens_per_s', 0):,.0f}")
+    bad = sum((record.get("skipped_samples") or {}).values())
+    if bad:
+        parts.append(f"skipped samples {bad}")
+    return " ".join(parts)
 
 
 def _jsonable(obj):

@@ -53,7 +53,8 @@ def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> Non
 
         t0 = time.perf_counter()
         res = digits_vqa_accuracy(ctx.module, ctx.processor, e.vqa_json, e.image_root or "",
-                                  e.periodic_limit, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens)
+                                  e.periodic_limit, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+                                  breakdown_by=e.breakdown_by)
         log({"step": step, "eval_vqa_accuracy": res["accuracy"],
              **{f"eval_vqa_{k}": v for k, v in res["by_kind"].items()},
              **{f"eval_{k}": res[k] for k in ("ratio", "ratio_image", "ratio_text") if k in res},

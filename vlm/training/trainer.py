@@ -113,6 +113,8 @@ class Trainer:
                               say=self.print)
         self.loader = build_loader(cfg, self.engine.module, self.model_config, self.tokenizer, self.processor,
                                    self.rank, self.world_size)
+        if self.is_main and hasattr(self.loader, "report"):  # the first bad records of each reason, one line each
+            self.loader.report = self.print
         self.progress = Progress()
         self.resumed_from: str | None = None
         self.last_saved_step: int | None = None

@@ -11,9 +11,13 @@ import torch
 from vlm.modeling.chunking import achieved_ratio, concept_counts
 
 
-def _kind(record: dict) -> str:
-    rid = str(record.get("id", ""))
-    return rid.rsplit("-", 1)[-1] if "-" in rid else "all"
+def _group(record: dict, field: str | None) -> str | None:
+    """The breakdown key of a record: the value of its ``field`` (``"(none)"`` when missing), or None
+    when there is no breakdown."""
+    if not field:
+        return None
+    value = record.get(field)
+    return "(none)" if value is None else str(value)
 
 
 def _question_answer(record: dict) -> tuple[str, str]:
@@ -25,7 +29,7 @@ def _question_answer(record: dict) -> tuple[str, str]:
 
 @torch.no_grad()
 def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | None = 300, batch_size: int = 64,
-                        max_new_tokens: int = 4, num_examples: int = 5) -> dict:
+                        max_new_tokens: int = 4, num_examples: int = 5, breakdown_by: str | None = None) -> dict:
     """Accuracy on a LLaVA JSON split: reads it
     (``data/default/digits_test.json``: one image and one question per record, answer = the gpt
     turn), takes the first ``limit`` records in file order (the file interleaves the three question
@@ -35,7 +39,10 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
     pass over each prompt batch in eval mode (hard boundaries ``p >= 0.5``) to report the achieved
     compression ratio R = tokens / concepts, pooled and per modality (image / text tokens).
 
-    Returns ``{"accuracy", "correct", "total", "by_kind": {kind: accuracy}, "ratio", "ratio_image",
+    ``breakdown_by``: a record field (the default data's ``kind``: digit / parity / plus_one); the
+    accuracy per value of it goes to ``by_kind`` (empty when None).
+
+    Returns ``{"accuracy", "correct", "total", "breakdown_by", "by_kind": {value: accuracy}, "ratio", "ratio_image",
     "ratio_text", "examples": [first few (question, answer, prediction)]}``. Chance level: 10% for
     "What digit is this?", 50% for parity.
     """
@@ -52,6 +59,7 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
     end_id = chat.end_id
     image_id = chat.image_id
     hits, totals = Counter(), Counter()
+    n_total = n_correct = 0
     tok = {"all": 0, "img": 0, "txt": 0}
     bnd = {"all": 0, "img": 0, "txt": 0}
     examples = []
@@ -86,17 +94,22 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
                 if end_id in row:
                     row = row[:row.index(end_id)]
                 pred = processor.decode(row, skip_special_tokens=True).strip()
-                kind = _kind(rec)
-                totals[kind] += 1
-                hits[kind] += int(pred == answer)
+                kind = _group(rec, breakdown_by)
+                hit = int(pred == answer)
+                n_total += 1
+                n_correct += hit
+                if kind is not None:
+                    totals[kind] += 1
+                    hits[kind] += hit
                 if len(examples) < num_examples:
                     examples.append({"question": question.replace("<image>", "").strip(), "answer": answer,
                                      "prediction": pred})
     finally:
         model.train(was_training)
-    total, correct = sum(totals.values()), sum(hits.values())
+    total, correct = n_total, n_correct
     result = {"accuracy": correct / total if total else float("nan"), "correct": correct, "total": total,
-              "by_kind": {k: hits[k] / totals[k] for k in sorted(totals)}, "examples": examples}
+              "breakdown_by": breakdown_by, "by_kind": {k: hits[k] / totals[k] for k in sorted(totals)},
+              "examples": examples}
     for key, name in (("all", "ratio"), ("img", "ratio_image"), ("txt", "ratio_text")):
         if bnd[key]:
             result[name] = achieved_ratio(tok[key], bnd[key])
