@@ -180,7 +180,8 @@ class MetricsLogger:
         skipped_samples {reason: count}  cumulative bad-data counts of the loader, summed over ranks
 
     With ``eval.every_steps`` extra lines hold the periodic held-out score instead: step,
-    eval_vqa_accuracy, eval_vqa_<kind> (digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
+    eval_vqa_accuracy, eval_vqa_<value> (one per value of the record field ``eval.breakdown_by``; the
+    default data's ``kind``: digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
 
     MFU = tokens/s x training FLOPs per token / (peak FLOP/s per device x devices). FLOPs per token
     come from ``vlm.flops.flops_per_token(text_config, seq_len, ratio)['train_total']`` (3 x forward)
