@@ -13,10 +13,10 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           41 fields x 8 = 328   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             18 fields x 8 = 144   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        41 fields x 3 = 123   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           77 fields x 8 = 616   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           78 fields x 8 = 624   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1211   generated cases in total
+                                                   1219   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -158,6 +158,10 @@ MODEL_RULES = {
     "attention.qkv_bias": wrong_type("bool"),
     "attention.o_proj_bias": wrong_type("bool"),
     "attention.qk_norm": not_one_of(("none", "head", "full")),
+    "attention.rope_scaling_params": st.one_of(st.sampled_from([{}, {"rope_type": "dynamic", "factor": 2.0},
+                                                         {"rope_type": "linear"}, {"rope_type": "linear", "factor": 0},
+                                                         {"rope_type": "yarn", "factor": 4.0}]),
+                                        wrong_type("dict", nullable=True)),
     "moe.num_experts": below(2),  # 1 < top_k = 2
     "moe.top_k": st.one_of(below(1), above(8)),
     "moe.moe_intermediate_size": below(1),
@@ -388,6 +392,7 @@ TRAIN_RULES = {
     "eval.max_new_tokens": below(1),
     "eval.every_steps": below(0),
     "eval.periodic_limit": below(1),
+    "eval.breakdown_by": empty_path(),
 }
 
 

@@ -18,7 +18,14 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2)
 FAMILIES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(rope_theta=5e5)),
     "llama_bias_tied": (T.LlamaConfig, T.LlamaForCausalLM, dict(attention_bias=True, tie_word_embeddings=True)),
+    "llama_rope_llama3": (T.LlamaConfig, T.LlamaForCausalLM, dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama_rope_linear": (T.LlamaConfig, T.LlamaForCausalLM, dict(rope_parameters={
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen2_rope_yarn": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32})),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=16)),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(_MOE, moe_intermediate_size=16, norm_topk_prob=True)),
@@ -73,7 +80,7 @@ def test_features_are_carried_over(tmp_path):
 
 
 REFUSED = [
-    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("mixtral", dict(sliding_window=8), "sliding_window"),

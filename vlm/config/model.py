@@ -27,16 +27,40 @@ class AttentionConfig(Section):
     qkv_bias: bool = False  # q/k/v projections with bias (Qwen2, Llama attention_bias)
     o_proj_bias: bool = False  # output projection with bias (Llama attention_bias)
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q/k per head (Qwen3) or whole projection (OLMoE)
+    # transformers' rope_parameters of type linear / llama3 / yarn (rope_theta stays above); null = plain RoPE
+    rope_scaling_params: dict[str, Any] | None = None
 
     def check_layout(self) -> None:
         check(self.hidden_size % self.num_attention_heads == 0, "attention.hidden_size",
               f"{self.hidden_size} is not divisible by attention.num_attention_heads={self.num_attention_heads}")
         check(self.num_attention_heads % self.num_key_value_heads == 0, "attention.num_key_value_heads",
               f"{self.num_key_value_heads} must divide attention.num_attention_heads={self.num_attention_heads}")
+        if self.rope_scaling_params is not None:
+            self._check_rope_scaling_params(self.rope_scaling_params)
         head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         check(head_dim % 2 == 0, "attention.head_dim" if self.head_dim else "attention.hidden_size",
               f"RoPE needs an even head dimension, got {head_dim}" + ("" if self.head_dim else
               f" (attention.hidden_size={self.hidden_size} / attention.num_attention_heads={self.num_attention_heads})"))
+
+
+    @staticmethod
+    def _check_rope_scaling_params(sc: dict) -> None:
+        kind = sc.get("rope_type")
+        need = _ROPE_KEYS.get(kind) if isinstance(kind, str) else None
+        check(need is not None, "attention.rope_scaling_params",
+              f"rope_type must be one of {sorted(_ROPE_KEYS)}, got {kind!r}")
+        for key in need:
+            val = sc.get(key)
+            check(isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0,
+                  "attention.rope_scaling_params", f"{kind} needs a positive number {key}, got {val!r}")
+        if kind == "llama3":
+            check(sc["high_freq_factor"] != sc["low_freq_factor"], "attention.rope_scaling_params",
+                  "llama3 needs high_freq_factor != low_freq_factor")
+
+
+_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
 
 
 class MoEConfig(Section):

@@ -2,7 +2,7 @@
 
 Every feature that changes the math is carried over exactly or refused with one line naming the
 field (``ValueError``). Carried over: GQA / head_dim, RoPE theta, RMSNorm eps, tied embeddings,
-attention bias (q/k/v and o separately), QK-norm (per head: Qwen3 / Qwen3-MoE; whole projection:
+attention bias (q/k/v and o separately), rope scaling (linear, llama3, yarn), QK-norm (per head: Qwen3 / Qwen3-MoE; whole projection:
 OLMoE), router softmax -> top-k -> optional renormalisation (``norm_topk_prob``; Mixtral always
 renormalises), the shared expert and its sigmoid gate (Qwen2-MoE), dense layers
 (``decoder_sparse_step`` / ``mlp_only_layers``) when they are the first k layers.
@@ -24,19 +24,32 @@ def _refuse(field: str, value, why: str):
     raise ValueError(f"{field}={value!r}: {why}")
 
 
-def _rope_theta(c) -> float:
+_ROPE_SCALING = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                          "mscale", "mscale_all_dim", "truncate")}
+
+
+def _rope(c) -> tuple[float, dict | None]:
+    """rope_theta and the rope scaling (``attention.rope_scaling_params``: linear, llama3, yarn; others refused)."""
     rp = getattr(c, "rope_parameters", None) or {}
     if "full_attention" in rp and isinstance(rp["full_attention"], dict):
         rp = rp["full_attention"]
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        _refuse("rope_parameters.rope_type", rope_type, "only the default RoPE is supported (no rope scaling)")
+    if rope_type != "default" and rope_type not in _ROPE_SCALING:
+        _refuse("rope_parameters.rope_type", rope_type,
+                f"only default, {', '.join(_ROPE_SCALING)} RoPE are supported (dynamic ones are not)")
     if rp.get("partial_rotary_factor", 1.0) != 1.0:
         _refuse("partial_rotary_factor", rp["partial_rotary_factor"], "only full rotary embeddings are supported")
     theta = rp.get("rope_theta", getattr(c, "rope_theta", None))
     if theta is None:
         _refuse("rope_parameters.rope_theta", None, "missing")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "yarn" and rp.get("factor") is None:
+        _refuse("rope_parameters.factor", None, "yarn needs an explicit factor")
+    scaling = {"rope_type": rope_type, **{k: rp[k] for k in _ROPE_SCALING[rope_type] if rp.get(k) is not None}}
+    return float(theta), scaling
 
 
 def _no_sliding_window(family: str, c) -> None:
@@ -73,11 +86,13 @@ def _attention_fields(family: str, c) -> dict:
         qkv, o = bias, bias
     qk_norm = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    theta, scaling = _rope(c)
     if family == "olmoe" and c.num_attention_heads * head_dim != c.hidden_size:
         _refuse("head_dim", head_dim, "OLMoE's q_norm spans hidden_size: needs num_attention_heads * head_dim == hidden_size")
     return dict(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                 num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                head_dim=head_dim, rope_theta=_rope_theta(c), max_position_embeddings=c.max_position_embeddings,
+                head_dim=head_dim, rope_theta=theta, rope_scaling_params=scaling,
+                max_position_embeddings=c.max_position_embeddings,
                 rms_norm_eps=float(c.rms_norm_eps), qkv_bias=qkv, o_proj_bias=o, qk_norm=qk_norm)
 
 

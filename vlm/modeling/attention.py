@@ -10,6 +10,8 @@ with ``joint=True``, Q/K/V each get an extra zero-initialisable projection of th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,13 +31,65 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None):
+    """RoPE inverse frequencies [head_dim / 2] and the cos/sin scale; ``scaling`` (imported checkpoints)
+    is transformers' ``rope_parameters`` of type ``linear``, ``llama3`` or ``yarn``, computed as
+    transformers' ``modeling_rope_utils`` does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if not scaling:
+        return inv_freq, 1.0
+    kind, factor = scaling["rope_type"], scaling.get("factor")
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"rope_scaling_params.rope_type={kind!r} is not supported")
+
+
+def _yarn(inv_freq, dim: int, base: float, sc: dict):
+    factor, orig = sc["factor"], sc["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = sc.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if sc.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - lo) / (hi - lo)).clamp(0, 1)
+    extra = 1 - ramp
+    return inv_freq / factor * (1 - extra) + inv_freq * extra, attention_factor
+
+
+def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None):
     """cos/sin tables [B, T, head_dim] for integer positions (any per-row layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids_BT.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq, scale = rope_inv_freq(head_dim, theta, scaling, position_ids_BT.device)
     ang_BTH = position_ids_BT.float()[..., None] * inv_freq
     emb = torch.cat([ang_BTH, ang_BTH], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,8 @@ class ConceptMoEModel(nn.Module):
 
     def rope(self, position_BT, hidden: int, dtype):
         head_dim = self.cfg.head_dim or hidden // self.cfg.num_attention_heads
-        return rope_cos_sin(position_BT, head_dim, self.cfg.rope_theta, dtype)
+        return rope_cos_sin(position_BT, head_dim, self.cfg.rope_theta, dtype,
+                            getattr(self.cfg, "rope_scaling_params", None))
 
     def _run(self, layers, x, cos_sin, mask, valid, acc, caches=None, fill=None, concept=None):
         for i, layer in enumerate(layers):
