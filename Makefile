@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 
 data: $(DATA_STAMP)
 
-$(DATA_STAMP): $(STAMP)
-	$(PY) -m data_pipelines.default_data --out $(DATA_DIR)
+# rebuilt when the generator changes (a folder built by an older generator lacks newer record fields)
+$(DATA_STAMP): $(STAMP) data_pipelines/default_data.py
+	$(PY) -m data_pipelines.default_data --out $(DATA_DIR) --force
 
 test: $(DATA_STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
