@@ -135,3 +135,33 @@ def test_imported_model_generates_like_transformers(tmp_path):
     b = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
                      pad_token_id=0)
     assert torch.equal(a[:, -6:], b[:, -6:])
+
+
+def test_fused_expert_layout_sharded_and_bf16_checkpoints(tmp_path):
+    """transformers' in-memory layout (``experts.gate_up_proj`` [E, 2I, D], ``experts.down_proj``), a
+    sharded checkpoint (``model.safetensors.index.json``) and bf16 weights (kept in bf16)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ref, src = _save(tmp_path, *FAMILIES["qwen2_moe"])
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd
+    (tmp_path / "fused").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "fused" / "config.json")
+    save_file(sd, str(tmp_path / "fused" / "model.safetensors"))
+    assert logit_gap(import_hf(tmp_path / "fused"), ref, SMALL["vocab_size"]) <= 1e-4
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert logit_gap(import_hf(tmp_path / "sharded"), ref, SMALL["vocab_size"]) <= 1e-4
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert import_hf(tmp_path / "bf16").model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_unknown_family_is_refused(tmp_path, capsys):
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "g")
+    capsys.readouterr()
+    assert main(["--from", str(tmp_path / "g"), "--to", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'gpt2'" in err and "qwen2_moe" in err, err

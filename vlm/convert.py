@@ -121,7 +121,9 @@ def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_la
         model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
                                                             decoder_layers, joint_decoding_layers))
     else:
-        raise ValueError(f"{src}: not a ConceptMoE checkpoint (model_type {kind!r})")
+        from vlm.hf_import import FAMILIES
+        raise ValueError(f"{src}: model_type {kind!r} is neither a ConceptMoE checkpoint nor an importable "
+                         f"transformers family ({', '.join(FAMILIES)})")
     new_keys = copy_weights(base, model)
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dst)
