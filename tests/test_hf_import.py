@@ -158,6 +158,14 @@ def test_fused_expert_layout_sharded_and_bf16_checkpoints(tmp_path):
     assert import_hf(tmp_path / "bf16").model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_ratio_on_a_dense_import_is_refused_in_one_line(tmp_path, capsys):
+    _, src = _save(tmp_path, *FAMILIES["qwen3"])
+    capsys.readouterr()
+    assert main(["--from", str(src), "--to", str(tmp_path / "out"), "--ratio", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "first_k_dense" in err and "dense qwen3" in err, err
+
+
 def test_unknown_family_is_refused(tmp_path, capsys):
     torch.manual_seed(0)
     T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "g")

@@ -104,6 +104,10 @@ def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_la
             return base, base, []
     ratio = 1.5 if ratio is None else ratio
     if hf_family(src) is not None:
+        if base.config.first_k_dense >= base.config.num_hidden_layers:
+            raise ValueError(f"first_k_dense={base.config.first_k_dense}: --ratio needs routed experts, a dense "
+                             f"{hf_family(src)} model has none to give the saved compute back with "
+                             "(import it without --ratio)")
         model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
                                                             decoder_layers, joint_decoding_layers))
     elif kind == "conceptmoe_vlm":
