@@ -233,3 +233,15 @@ def test_compare_table_and_cli(capsys, tmp_path):
     dest = tmp_path / "solved.yaml"
     assert main(["--config", str(PRESETS / "small.yaml"), "--solve", "topk", "--ratio", "2", "--out", str(dest)]) == 0
     assert math.isclose(ConceptMoEConfig.from_yaml(dest).target_ratio, 2.0)
+
+
+def test_written_preset_keeps_every_non_default_field(tmp_path):
+    """write_yaml's layout comes from the config sections, so imported-model features survive a preset."""
+    cfg = ConceptMoEConfig.from_yaml(PRESETS / "tiny.yaml", qkv_bias=True, o_proj_bias=True, qk_norm="head",
+                                     shared_expert_intermediate_size=32, shared_expert_gate=True,
+                                     rope_scaling_params={"rope_type": "linear", "factor": 2.0})
+    path = tmp_path / "imported.yaml"
+    write_yaml(cfg, path, header="imported")
+    back = ConceptMoEConfig.from_yaml(path)
+    for name in ConceptMoEConfig.known_keys():
+        assert getattr(back, name) == getattr(cfg, name), name

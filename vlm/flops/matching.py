@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from vlm.config import ConceptMoEConfig
+from vlm.config import ChunkingConfig, ConceptMoEConfig, LayoutConfig
+from vlm.config.model import SECTIONS
 from vlm.flops.accountant import Arch, count_params, flops_per_token
 
 TIGHT = (0.005, 0.015)  # params, FLOPs: preferred
@@ -218,19 +219,12 @@ def solve_report(base_cfg, new_cfg, strategy: str, seq_len: int, ratio: float, b
     return "\n".join(lines)
 
 
-_SECTIONS = {"attention": ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                           "max_position_embeddings", "rms_norm_eps"),
-             "moe": ("num_experts", "top_k", "moe_intermediate_size", "shared_expert_intermediate_size",
-                     "first_k_dense", "dense_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
-                     "router_z_loss_coef", "moe_dispatch")}
-_TOP = ("vocab_size", "num_hidden_layers", "tie_word_embeddings", "initializer_range", "pad_token_id",
-        "bos_token_id", "eos_token_id")
+# the preset layout comes from the config's own sections (a new field is written without a change here)
+_SECTIONS = {sec: tuple(SECTIONS[sec].model_fields) for sec in ("attention", "moe")}
+_TOP = tuple(LayoutConfig.model_fields)
 _ALWAYS = {"max_position_embeddings", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts",
            "top_k", "moe_intermediate_size", "vocab_size", "num_hidden_layers"}
-_CHUNK = ("encoder_layers", "decoder_layers", "target_ratio", "concept_merge", "boundary_noise_tau",
-          "ratio_loss_weight", "router_init", "boundary_mode", "modality_policy", "image_target_ratio",
-          "text_target_ratio", "concept_hidden_size", "concept_top_k", "concept_loop_layers",
-          "concept_loop_times", "joint_decoding_layers")
+_CHUNK = tuple(f for f in ChunkingConfig.model_fields if f != "chunking")
 
 
 def config_to_sections(cfg) -> dict:
