@@ -10,13 +10,13 @@ enumerates the fields of the config sections and fails when a field has no rule.
 
 Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults``: 8x, random):
 
-    test_fuzz_model_config           41 fields x 8 = 328   ConceptMoEConfig from sectioned YAML + overrides
+    test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             18 fields x 8 = 144   ConceptMoEVLMConfig.from_sections (the YAML route)
-    test_fuzz_vlm_text_config        41 fields x 3 = 123   the language-model fields under the VLM's ``text:``
+    test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
     test_fuzz_train_config           78 fields x 8 = 624   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1219   generated cases in total
+                                                   1274   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
