@@ -95,18 +95,19 @@ def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_la
     require_safetensors(src)
     kind = _load_kind(src)
     torch.manual_seed(seed)
-    if hf_family(src) is not None:  # a transformers checkpoint: the plain import first
+    family = hf_family(src)
+    if family is None and ratio is None:
+        ratio = 1.5  # our own checkpoints: the default target
+    if family is not None:  # a transformers checkpoint: the plain import first
         base = import_hf(src)
         if ratio is None:
             dst.mkdir(parents=True, exist_ok=True)
             base.save_pretrained(dst)
             _copy_extras(src, dst)
             return base, base, []
-    ratio = 1.5 if ratio is None else ratio
-    if hf_family(src) is not None:
         if base.config.first_k_dense >= base.config.num_hidden_layers:
             raise ValueError(f"first_k_dense={base.config.first_k_dense}: --ratio needs routed experts, a dense "
-                             f"{hf_family(src)} model has none to give the saved compute back with "
+                             f"{family} model has none to give the saved compute back with "
                              "(import it without --ratio)")
         model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
                                                             decoder_layers, joint_decoding_layers))
@@ -175,8 +176,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if hf_family(src) is not None and args.ratio is None:
-        print(f"imported {src} ({hf_family(src)}) -> {dst}: plain ConceptMoE (chunking off), "
+    family = hf_family(src)
+    if family is not None and args.ratio is None:
+        print(f"imported {src} ({family}) -> {dst}: plain ConceptMoE (chunking off), "
               f"{sum(p.numel() for p in model.parameters())} parameters")
         if args.check:
             from vlm.hf_import.check import logit_gap, reference_model
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
           f"loops={text.concept_loop_layers}x{text.concept_loop_times} joint={text.joint_decoding_layers}; "
           f"{len(new_keys)} new tensors (chunker, joint decoding)")
     if args.check:
-        if hf_family(src) is not None:  # the R = 1 identity against the transformers model itself
+        if family is not None:  # the R = 1 identity against the transformers model itself
             from vlm.hf_import.check import reference_model
             base = reference_model(src)
         gap = identity_gap(base, model, text.vocab_size)
