@@ -160,11 +160,6 @@ def _sections(values: dict) -> dict[str, Section]:
             for sec, cls in SECTIONS.items()}
 
 
-def _checked(values: dict) -> dict:
-    """Flat field values, type- and range-checked, defaults filled in, numbers normalised."""
-    return {f: getattr(s, f) for s in _sections(values).values() for f in type(s).model_fields}
-
-
 def _flat_name(section: str, key: str) -> str:
     return "chunking" if (section == "chunking" and key == "enabled") else key
 
@@ -176,12 +171,13 @@ class ConceptMoEConfig(PretrainedConfig):
 
     def __init__(self, **kwargs):
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in FIELD_OWNER}
-        values = _checked(own)  # before transformers' own checks see a wrongly typed value
+        sections = _sections(own)  # before transformers' own checks see a wrongly typed value
+        values = {f: getattr(sec, f) for sec in sections.values() for f in type(sec).model_fields}
         for name, val in values.items():
             if name not in _IDS and name != "tie_word_embeddings":
                 setattr(self, name, val)
         super().__init__(**{n: values[n] for n in (*_IDS, "tie_word_embeddings")}, **kwargs)
-        self.validate()
+        self._check_across(sections)
 
     def _get_generation_parameters(self) -> dict:
         # ``top_k`` is the MoE's experts per token, not a sampling setting: without this,
@@ -216,8 +212,10 @@ class ConceptMoEConfig(PretrainedConfig):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
-        """Type- and range-check every section, then the cross-section layout."""
-        sec = _sections({name: getattr(self, name) for name in FIELD_OWNER})
+        """Type- and range-check every section (the live attributes), then the cross-section layout."""
+        self._check_across(_sections({name: getattr(self, name) for name in FIELD_OWNER}))
+
+    def _check_across(self, sec: dict[str, Section]) -> None:
         sec["layout"].check_layout()
         sec["attention"].check_layout()
         sec["moe"].check_layout()
