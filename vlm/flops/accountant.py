@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from vlm.config import ConceptMoEConfig
 
 SCAN_BLOCK = 64  # vlm.modeling.dechunk.ema_scan's default block
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from vlm.hf_import.configs import FAMILIES, imported_config
 from vlm.hf_import.weights import map_weights, read_safetensors
 from vlm.modeling.hf import ConceptMoEForCausalLM

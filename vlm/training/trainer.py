@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
 from vlm.training import finish, optim, periodic
 from vlm.training.data import (
@@ -38,7 +39,6 @@ from vlm.training.metrics import (
     train_flops_per_token,
 )
 from vlm.training.state import Progress, RunContext
-from vlm.config.train import TrainConfig
 from vlm.training.zero3 import prepare_zero3, register_zero3_external
 
 
