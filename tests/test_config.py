@@ -1,4 +1,4 @@
-"""vlm/config.py: presets, sectioned/dotted overrides, one-line ConfigErrors naming the key."""
+"""vlm/config/model.py: presets, sectioned/dotted overrides, one-line ConfigErrors naming the key."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Config fuzz (hypothesis): every field of the model config (vlm/config.py), the VLM config
+"""Config fuzz (hypothesis): every field of the model config (vlm/config/model.py), the VLM config
 (vlm/config/vlm.py) and the training config (vlm/config/train.py) given random INVALID
 values - wrong types, out of range (negative, zero where positive is required, NaN / +-inf /
 too-large-for-a-float numbers), unknown enum strings, wrong-length or wrong-content lists - fails

@@ -22,7 +22,7 @@ The same command runs under every launcher (DeepSpeed is the engine in every mod
     deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
 
 Overrides: train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3 (see
-vlm/training/train_config.py). --resume auto continues from the newest complete checkpoint of the
+vlm/config/train.py). --resume auto continues from the newest complete checkpoint of the
 run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a checkpoint folder
 (.../step_000123) or a checkpoint dir.
 

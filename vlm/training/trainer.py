@@ -132,7 +132,7 @@ class Trainer:
                                     cfg.log.tensorboard, cfg.log.jsonl)
         self._describe()
 
-    # read-only views for callers (vlm/train.py, vlm/compare_jobs.py, tests)
+    # read-only views for callers (vlm/train.py, vlm/compare/jobs.py, tests)
     @property
     def step(self) -> int:
         return self.progress.step
