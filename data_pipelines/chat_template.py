@@ -77,24 +77,29 @@ class ChatTokenizer:
             text += ROLE_PREFIX["assistant"]
         return text, spans
 
-    def _expand_images(self, ids: list[int], labels: list[int]):
-        """Replace each <image> id by <im_start> + P x <image> + <im_end> (labels -100)."""
+    def _expand_images(self, ids: list[int], labels: list[int], image_tiles: list[int] | None = None):
+        """Replace the i-th <image> id by image_tiles[i] x (<im_start> + P x <image> + <im_end>), labels
+        -100. ``image_tiles`` (views per image: 1, or an anyres grid + thumbnail) defaults to 1 each."""
         if self.image_id is None or self.image_id not in ids:
             return ids, labels
         span = [self.image_start_id] + [self.image_id] * self.num_image_tokens + [self.image_end_id]
-        out_ids, out_labels = [], []
+        out_ids, out_labels, index = [], [], 0
         for tok, lab in zip(ids, labels):
             if tok == self.image_id:
-                out_ids.extend(span)
-                out_labels.extend([IGNORE_INDEX] * len(span))
+                views = 1 if image_tiles is None else int(image_tiles[index])
+                index += 1
+                out_ids.extend(span * views)
+                out_labels.extend([IGNORE_INDEX] * (len(span) * views))
             else:
                 out_ids.append(tok)
                 out_labels.append(lab)
         return out_ids, out_labels
 
     # ----- encoding -----
-    def encode_conversation(self, conversations, sample_id="?", num_images: int | None = None):
-        """(input_ids, labels) for a training conversation; raises TokenizationMismatch."""
+    def encode_conversation(self, conversations, sample_id="?", num_images: int | None = None,
+                            image_tiles: list[int] | None = None):
+        """(input_ids, labels) for a training conversation; raises TokenizationMismatch.
+        ``image_tiles``: views per image (see ``_expand_images``); None = one each."""
         if self.missing:
             raise TokenizationMismatch(sample_id, f"tokenizer lacks special tokens {self.missing}")
         text, spans = self.render(conversations)
@@ -114,8 +119,10 @@ class ChatTokenizer:
         expected_text = [content + END_TOKEN for role, content in map(turn_role_and_text, conversations)
                          if role == "assistant"]
         self._check(sample_id, ids, labels, expected_text, conversations, num_images)
-        ids, labels = self._expand_images(ids, labels)
-        self._check_images(sample_id, ids, num_images)
+        if image_tiles is not None and len(image_tiles) != num_images:
+            raise TokenizationMismatch(sample_id, f"{len(image_tiles)} tile counts for {num_images} images")
+        ids, labels = self._expand_images(ids, labels, image_tiles)
+        self._check_images(sample_id, ids, num_images if image_tiles is None else sum(image_tiles))
         return self.bos + ids, [IGNORE_INDEX] * len(self.bos) + labels
 
     def encode_text(self, text: str, sample_id="?"):
@@ -129,7 +136,7 @@ class ChatTokenizer:
         ids = self.bos + ids + [self.eos_id]
         return ids, [IGNORE_INDEX] * len(self.bos) + ids[len(self.bos):]
 
-    def encode_prompt(self, text_or_conversation, chat: bool = True):
+    def encode_prompt(self, text_or_conversation, chat: bool = True, image_tiles: list[int] | None = None):
         """Input ids for generation: the user turn(s) + `<|assistant|>\\n` (images expanded).
 
         A string is one user turn; a list is a conversation (a trailing assistant turn is
@@ -138,7 +145,7 @@ class ChatTokenizer:
         if isinstance(text_or_conversation, str):
             if not chat:
                 ids = self.tokenizer(text_or_conversation, add_special_tokens=False)["input_ids"]
-                return self.bos + self._expand_images(ids, ids)[0]
+                return self.bos + self._expand_images(ids, ids, image_tiles)[0]
             conversation = [{"from": "human", "value": text_or_conversation}]
         else:
             conversation = list(text_or_conversation)
@@ -146,7 +153,7 @@ class ChatTokenizer:
                 conversation = conversation[:-1]
         text, _ = self.render(conversation, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.bos + self._expand_images(ids, ids)[0]
+        return self.bos + self._expand_images(ids, ids, image_tiles)[0]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
@@ -179,8 +186,8 @@ class ChatTokenizer:
                 name = self.tokenizer.convert_ids_to_tokens(tok_id)
                 raise TokenizationMismatch(sample_id, f"{got} x {name} in tokens, expected {want}")
 
-    def _check_images(self, sample_id, ids, num_images):
+    def _check_images(self, sample_id, ids, num_views):
         got = ids.count(self.image_id) if self.image_id is not None else 0
-        if got != self.num_image_tokens * num_images:
-            raise TokenizationMismatch(sample_id, f"{got} <image> tokens for {num_images} images "
+        if got != self.num_image_tokens * num_views:
+            raise TokenizationMismatch(sample_id, f"{got} <image> tokens for {num_views} image views "
                                                   f"x {self.num_image_tokens}")
