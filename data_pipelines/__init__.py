@@ -9,7 +9,9 @@ import importlib
 # name -> submodule; imported lazily so `python -m data_pipelines.default_data` stays light
 _EXPORTS = {
     "CHAT_TEMPLATE": "chat_template", "ChatTokenizer": "chat_template",
-    "TokenizationMismatch": "chat_template", "PackingCollator": "collate",
+    "TokenizationMismatch": "chat_template", "TemplateMismatch": "chat_format",
+    "prepare_llm_tokenizer": "llm_tokenizer", "chat_stop_token": "llm_tokenizer",
+    "PackingCollator": "collate",
     "PadCollator": "collate", "truncate_sample": "collate", "IGNORE_INDEX": "common",
     "SPECIAL_TOKENS": "common", "Skip": "common", "SampleEncoder": "encode",
     "ImageTransform": "images", "load_image": "images", "to_rgb": "images",
