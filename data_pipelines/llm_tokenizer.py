@@ -36,7 +36,8 @@ def prepare_llm_tokenizer(tokenizer) -> list[str]:
         raise TypeError("prepare_llm_tokenizer needs a fast (tokenizers-backed) tokenizer")
     before = set(tokenizer.get_vocab())
     has_template = bool(tokenizer.chat_template)
-    wanted = IMAGE_TOKENS + ([] if has_template else ROLE_TOKENS)
+    ours = not has_template or tokenizer.chat_template == CHAT_TEMPLATE
+    wanted = IMAGE_TOKENS + (ROLE_TOKENS if ours else [])
     specials = set(tokenizer.all_special_tokens)
     extra = [tok for tok in wanted if tok not in specials]
     if extra:  # appended to the tokenizer's own extra specials, never replacing them

@@ -126,6 +126,15 @@ def test_prepare_adds_what_is_missing_and_is_idempotent(tmp_path, flavour):
         assert reloaded("ab" + tok + "cd", add_special_tokens=False)["input_ids"].count(vocab[tok]) == 1
 
 
+def test_our_template_without_role_tokens_gets_them(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(llm_tokenizer_folder(str(tmp_path / "raw"), "base"))
+    assert chat_stop_token(tokenizer) is None  # no template, no <|end|> yet
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert prepare_llm_tokenizer(tokenizer) == EXPECTED_ADDED["base"]
+    assert chat_stop_token(tokenizer) == tokenizer.convert_tokens_to_ids("<|end|>")
+    assert ChatTokenizer(tokenizer, num_image_tokens=P).missing == []
+
+
 def test_missing_lists_only_what_the_format_needs(tmp_path, flavour):
     tokenizer = AutoTokenizer.from_pretrained(llm_tokenizer_folder(str(tmp_path / "raw"), flavour))
     missing = ChatTokenizer(tokenizer, num_image_tokens=P).missing
