@@ -36,11 +36,15 @@ def pad_token_lists(rows, pad_id: int, side: str = "left", device=None) -> tuple
 
 
 def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id):
-    """Cut `sample` to at most max_length tokens without splitting an image span (or Skip).
+    """Cut `sample` to at most max_length tokens without splitting a picture (or Skip).
 
-    A cut inside `<im_start> <image>*P <im_end>` moves before that span's `<im_start>`, and images
-    cut off lose their pixel tensors. The sample is dropped as `too_long` when it had images but
-    none survive, or when no loss-carrying token survives.
+    A picture is its `<im_start> <image>*P <im_end>` spans, one per view: `sample["image_views"]`
+    (views per picture, from `SampleEncoder`) groups consecutive spans; without it (or when it does
+    not match the spans) every span is a picture. A cut inside a picture, also between two of its
+    views, moves before its first `<im_start>`: a picture is kept whole or dropped, never left with
+    some of its anyres tiles. Dropped pictures lose their pixel tensors (and `image_views` entries).
+    The sample is dropped as `too_long` when it had images but none survive, or when no
+    loss-carrying token survives.
     """
     ids, labels = sample["input_ids"], sample["labels"]
     length = int(ids.numel())
@@ -48,19 +52,33 @@ def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id)
         return sample
     starts = (ids == image_start_id).nonzero().flatten().tolist() if image_start_id is not None else []
     ends = (ids == image_end_id).nonzero().flatten().tolist() if image_end_id is not None else []
+    pictures = _picture_spans(starts, ends, sample.get("image_views"))
     cut = max_length
-    for start, end in zip(starts, ends):
-        if start < cut <= end:  # the cut would fall inside this image span
+    for start, end in pictures:
+        if start < cut <= end:  # the cut would fall inside this picture
             cut = start
-    kept_images = sum(1 for end in ends if end < cut)
-    if starts and kept_images == 0:
+    kept_pictures = sum(1 for _, end in pictures if end < cut)
+    if starts and kept_pictures == 0:
         return Skip("too_long", sample["id"], f"{length} tokens; its first image ends past {max_length}")
     if not bool((labels[1:cut] != IGNORE_INDEX).any()):
         return Skip("too_long", sample["id"], f"{length} tokens; no loss token left after cutting at {cut}")
-    pixel_values = sample["pixel_values"]
-    if pixel_values is not None:
-        pixel_values = pixel_values[:kept_images]
-    return {**sample, "input_ids": ids[:cut], "labels": labels[:cut], "pixel_values": pixel_values}
+    out = {**sample, "input_ids": ids[:cut], "labels": labels[:cut]}
+    if sample["pixel_values"] is not None:
+        out["pixel_values"] = sample["pixel_values"][:sum(1 for end in ends if end < cut)]  # kept views
+    if sample.get("image_views") is not None:
+        out["image_views"] = list(sample["image_views"])[:kept_pictures]
+    return out
+
+
+def _picture_spans(starts: list[int], ends: list[int], image_views) -> list[tuple[int, int]]:
+    """(first <im_start>, last <im_end>) of every picture: ``image_views`` consecutive spans each."""
+    if not image_views or min(image_views) < 1 or sum(image_views) != len(starts) or len(starts) != len(ends):
+        return list(zip(starts, ends))
+    out, first = [], 0
+    for views in image_views:
+        out.append((starts[first], ends[first + views - 1]))
+        first += views
+    return out
 
 
 SKIP_EXAMPLES = 3  # Skips per reason a batch carries in `skip_examples` (the rest are only counted)

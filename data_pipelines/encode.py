@@ -1,6 +1,11 @@
 """Raw record -> encoded sample, run inside DataLoader workers:
 
-    {"id": str, "input_ids": Long[L], "labels": Long[L], "pixel_values": Float[n,3,H,W] | None}
+    {"id": str, "input_ids": Long[L], "labels": Long[L], "pixel_values": Float[n,3,H,W] | None,
+     "image_views": list[int] | None}
+
+Each picture becomes ``image_transform.views(image)`` (1 view, or an anyres thumbnail + tiles), one
+``<im_start> <image>*P <im_end>`` span per view; ``pixel_values`` is the concatenation of all views
+and ``image_views`` the views per picture (``truncate_sample`` keeps a picture whole with it).
 """
 
 from __future__ import annotations
@@ -32,16 +37,22 @@ class SampleEncoder:
             return Skip(f"unexpected_error:{type(err).__name__}", sample_id, str(err))
 
     def _encode(self, record, sample_id):
-        pixel_values = None
+        pixel_values, image_views = None, None
         if "conversations" in record:
             images = record.get("images") or []
+            if images and self.image_transform is not None:  # from the sizes: text is checked before pixels
+                image_views = [self.image_transform.num_views(*im.size) for im in images]
             ids, labels = self.chat_tokenizer.encode_conversation(
-                record["conversations"], sample_id, num_images=len(images))
+                record["conversations"], sample_id, num_images=len(images), image_tiles=image_views)
             if images:
                 if self.image_transform is None:
                     raise ValueError("record has images but no image_transform was given")
-                pixel_values = torch.stack([self.image_transform(im) for im in images])
+                views = [self.image_transform.views(im) for im in images]
+                if [v.shape[0] for v in views] != image_views:
+                    raise ValueError(f"views per image {[v.shape[0] for v in views]} != predicted {image_views}")
+                pixel_values = torch.cat(views)
         else:
             ids, labels = self.chat_tokenizer.encode_text(record["text"], sample_id)
         return {"id": sample_id, "input_ids": torch.tensor(ids, dtype=torch.long),
-                "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": pixel_values}
+                "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": pixel_values,
+                "image_views": image_views}

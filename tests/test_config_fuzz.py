@@ -11,12 +11,12 @@ enumerates the fields of the config sections and fails when a field has no rule.
 Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults``: 8x, random):
 
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
-    test_fuzz_vlm_config             18 fields x 8 = 144   ConceptMoEVLMConfig.from_sections (the YAML route)
+    test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
     test_fuzz_train_config           78 fields x 8 = 624   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1274   generated cases in total
+                                                   1282   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -220,6 +220,16 @@ def test_fuzz_model_config(key, data):
 
 
 # ----- VLM config -----------------------------------------------------------------------------------
+def _bad_grids():
+    """Not a list of [cols, rows] positive-int pairs, empty, or a grid named twice."""
+    bad = st.one_of(st.integers(max_value=0), TEXT, FLOATS, BOOLS, st.none(), LISTS)
+    bad_pair = st.one_of(wrong_type("list"), st.lists(st.integers(1, 4), max_size=1),
+                         st.lists(st.integers(1, 4), min_size=3, max_size=4),
+                         st.tuples(bad, st.integers(1, 4)).map(list), st.tuples(st.integers(1, 4), bad).map(list))
+    return st.one_of(wrong_type("list"), st.just([]), st.lists(bad_pair, min_size=1, max_size=2),
+                     st.tuples(st.integers(1, 4), st.integers(1, 4)).map(lambda g: [list(g), [1, 1], list(g)]))
+
+
 VLM_RULES = {
     "vision": NOT_MAPPING,
     "vision.backbone": st.one_of(wrong_type("str"), st.just(""),
@@ -232,6 +242,7 @@ VLM_RULES = {
     "vision.keep_cls": wrong_type("bool"),
     "vision.image_size": below(1, nullable=True),
     "vision.image_aspect": not_one_of(IMAGE_ASPECTS),
+    "vision.anyres_grids": _bad_grids(),
     "vision.model_kwargs": wrong_type("dict"),
     "projector": NOT_MAPPING,
     "projector.kind": not_one_of(PROJECTOR_KINDS),

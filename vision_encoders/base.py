@@ -14,11 +14,23 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BeforeValidator, Field
 from torch import nn
 
-from data_pipelines.images import IMAGE_ASPECTS, RESAMPLE_MODES, ImageTransform
-from vision_encoders.hub import HUB_PREFIXES, HUB_REPO_RE, check_pickle, hub_id, log_load
+from data_pipelines.images import (
+    ANYRES_GRIDS,
+    IMAGE_ASPECTS,
+    RESAMPLE_MODES,
+    ImageTransform,
+    check_grids,
+)
+from vision_encoders.hub import (
+    HUB_PREFIXES,
+    HUB_REPO_RE,
+    check_pickle,
+    hub_id,
+    log_load,
+)
 from vlm.config.core import PosInt, Section, Text, fail
 
 FEATURE_LAYERS = ("last", "penultimate")
@@ -36,6 +48,14 @@ def _hub_form(value: str) -> str:
     return value
 
 
+def _grids(value: list[list[int]]) -> list[list[int]]:
+    check_grids(value)  # repeats (shape and positivity are the field type's)
+    return value
+
+
+Grid = Annotated[list[PosInt], Field(min_length=2, max_length=2)]
+
+
 class VisionEncoderConfig(Section):
     """Which vision backbone to build and how to read its features (the VLM config's ``vision:``).
 
@@ -51,7 +71,10 @@ class VisionEncoderConfig(Section):
     keep_cls:      put the CLS token in front of the patch tokens.
     image_size:    overrides the preset's input resolution (square).
     image_aspect:  "resize" squashes the image to the square; "pad" pads it to a square with the
-                   mean colour first (LLaVA-1.5).
+                   mean colour first (LLaVA-1.5); "anyres" gives the padded image (a thumbnail) plus
+                   the tiles of the best of ``anyres_grids`` (LLaVA-NeXT): 1 + cols*rows views.
+    anyres_grids:  [cols, rows] grids in units of the tower's square input, tried in order (LLaVA-NeXT's
+                   select_best_resolution); read only with image_aspect "anyres".
     model_kwargs:  extra kwargs for the library constructor (override the preset's).
     """
 
@@ -63,6 +86,8 @@ class VisionEncoderConfig(Section):
     keep_cls: bool = False
     image_size: PosInt | None = None
     image_aspect: Literal[IMAGE_ASPECTS] = "resize"
+    anyres_grids: Annotated[list[Grid], Field(min_length=1), AfterValidator(_grids)] = Field(
+        default_factory=lambda: [list(grid) for grid in ANYRES_GRIDS])
     model_kwargs: dict = {}
 
 
@@ -142,6 +167,8 @@ class VisionEncoder(nn.Module, abc.ABC):
             "resample": interpolation if interpolation in RESAMPLE_MODES else "bicubic",
             "image_aspect": cfg.image_aspect,
         }
+        if cfg.image_aspect == "anyres":
+            self._transform_settings["anyres_grids"] = [list(grid) for grid in cfg.anyres_grids]
 
     @property
     def image_size(self) -> int:
@@ -167,7 +194,7 @@ class VisionEncoder(nn.Module, abc.ABC):
         return self.load_line
 
     def image_transform(self) -> ImageTransform:
-        """The preprocessing this backbone expects: PIL image -> Float[3, image_size, image_size].
+        """The preprocessing this backbone expects: PIL image -> ``views`` Float[k, 3, image_size, image_size].
 
         The one transform of the project: training data, evaluation and the processor all use it.
         """

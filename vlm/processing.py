@@ -13,6 +13,7 @@ from PIL import Image
 
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.collate import pad_token_lists
+from data_pipelines.common import IMAGE_TOKEN
 from data_pipelines.images import ImageTransform
 from data_pipelines.tokenizer_files import save_tokenizer_folder
 
@@ -29,10 +30,13 @@ class ConceptMoEVLMProcessor:
 
     Images go through ``image_transform``, the vision backbone's (``model.vision.image_transform()``);
     without one it is ``ImageTransform(**image_settings)`` (image_size, image_mean, image_std,
-    resample: the keys saved in ``processor_config.json``). Text: a string is one user turn (followed
-    by ``<|assistant|>\\n``), a list of turns is a conversation; each ``<image>`` expands to
-    ``<im_start>`` + P x ``<image>`` + ``<im_end>`` (P = num_image_tokens). Prompts are left-padded
-    by default. Saved files: the tokenizer folder (chat template included) + ``processor_config.json``.
+    resample, image_aspect, anyres_grids: the keys saved in ``processor_config.json``). Each picture
+    gives ``image_tiles(images)`` views (1, or with image_aspect "anyres" a thumbnail + tiles, known
+    from its size), each one ``pixel_values`` entry. Text: a string is one user turn (followed by
+    ``<|assistant|>\\n``), a list of turns is a conversation; each ``<image>`` expands to one
+    ``<im_start>`` + P x ``<image>`` + ``<im_end>`` per view of its picture (P = num_image_tokens),
+    so the image-token count is known before the forward. Prompts are left-padded by default.
+    Saved files: the tokenizer folder (chat template included) + ``processor_config.json``.
     """
 
     def __init__(self, tokenizer, num_image_tokens: int, image_transform: ImageTransform | None = None,
@@ -71,22 +75,54 @@ class ConceptMoEVLMProcessor:
                 "token_ids": {name: i for name, i in self.chat_tokenizer.ids.items()}}
 
     # ----- images -----
+    def image_tiles(self, images) -> list[int]:
+        """Views per picture of a PIL image or a (nested) list of them, from the sizes alone."""
+        return [self.image_transform.num_views(*image.size) for image in _flatten_images(images)]
+
     def preprocess_images(self, images) -> torch.Tensor | None:
-        """A PIL image or a (nested) list of them -> Float[N, 3, S, S] in order, or None."""
+        """A PIL image or a (nested) list of them -> Float[N, 3, S, S] (N = sum of ``image_tiles``:
+        every view of every picture, in order), or None."""
         flat = list(_flatten_images(images))
         if not flat:
             return None
-        return torch.stack([self.image_transform(image) for image in flat])
+        return torch.cat([self.image_transform.views(image) for image in flat])
 
     # ----- text -----
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+                            tokenize: bool = False, images=None):
         """Render a conversation (LLaVA from/value or HF role/content turns) in our chat format.
 
-        tokenize=True returns the token ids (BOS if any, `<image>` placeholders expanded).
+        tokenize=True returns the token ids (BOS if any, `<image>` placeholders expanded, each to
+        its picture's views: with image_aspect "anyres" that needs the ``images``).
         """
         text = self.chat_tokenizer.render(conversation, add_generation_prompt=add_generation_prompt)[0]
-        return self.chat_tokenizer.encode_prompt(text, chat=False) if tokenize else text
+        if not tokenize:
+            return text
+        if images is None and self.image_transform.image_aspect == "anyres" and IMAGE_TOKEN in text:
+            raise ValueError("image_aspect 'anyres': pass images= to tokenize (views per <image> depend on its size)")
+        tiles = None if images is None else self.image_tiles(images)
+        return self._encode_prompts([text], tiles, chat=False)[0]
+
+    def _encode_prompts(self, prompts, tiles: list[int] | None, chat: bool) -> list[list[int]]:
+        """Token ids per prompt, the i-th `<image>` (row-major) expanded to tiles[i] views.
+
+        tiles None: one view each, unchecked. Else the placeholders must match len(tiles) (ValueError).
+        """
+        rows = [self.chat_tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+        if tiles is None:
+            return rows
+        image_id, per_view = self.chat_tokenizer.image_id, self.num_image_tokens
+        n_tokens = sum(row.count(image_id) for row in rows) if image_id is not None else 0
+        if n_tokens != len(tiles) * per_view:
+            raise ValueError(f"{n_tokens // max(per_view, 1)} <image> placeholders but {len(tiles)} images")
+        if all(t == 1 for t in tiles):
+            return rows  # one view each: the expansion above already is the answer
+        out, first = [], 0
+        for prompt, row in zip(prompts, rows):
+            n = row.count(image_id) // per_view
+            out.append(self.chat_tokenizer.encode_prompt(prompt, chat=chat, image_tiles=tiles[first:first + n]))
+            first += n
+        return out
 
     def __call__(self, text=None, images=None, return_tensors: str | None = "pt",
                  padding_side: str = "left", chat: bool = True) -> dict:
@@ -94,19 +130,14 @@ class ConceptMoEVLMProcessor:
 
         text: a string, a conversation (list of turn dicts), or a list of either (a batch).
         images: None, a PIL image, a list of images, or one list per prompt; they are taken
-        in order of the `<image>` placeholders (row-major over the batch).
+        in order of the `<image>` placeholders (row-major over the batch); pixel_values holds
+        every view of every picture, and each placeholder expands to one span per view.
         """
         if text is None:
             raise ValueError("text is required (use '<image>' placeholders for images)")
         prompts = [text] if isinstance(text, str) or _is_conversation(text) else list(text)
-        rows = [self.chat_tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+        rows = self._encode_prompts(prompts, self.image_tiles(images), chat=chat)
         pixel_values = self.preprocess_images(images)
-        n_images = 0 if pixel_values is None else pixel_values.shape[0]
-        n_tokens = sum(row.count(self.chat_tokenizer.image_id) for row in rows) \
-            if self.chat_tokenizer.image_id is not None else 0
-        if n_tokens != n_images * self.num_image_tokens:
-            raise ValueError(f"{n_tokens // max(self.num_image_tokens, 1)} <image> placeholders "
-                             f"but {n_images} images")
         if return_tensors not in ("pt", None):
             raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
         input_ids, attention_mask = pad_token_lists(rows, self.chat_tokenizer.pad_id, padding_side)
@@ -141,7 +172,7 @@ class ConceptMoEVLMProcessor:
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         keys = ["num_image_tokens", "add_bos"]
         if "image_transform" not in overrides:
-            keys += ["image_size", "image_mean", "image_std", "resample", "image_aspect"]
+            keys += ["image_size", "image_mean", "image_std", "resample", "image_aspect", "anyres_grids"]
         kwargs = {k: config[k] for k in keys if k in config}
         kwargs.update(overrides)
         return cls(tokenizer, **kwargs)
