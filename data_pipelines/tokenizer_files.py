@@ -18,8 +18,10 @@ EXTRA_SPECIALS = [t for t in SPECIAL_TOKENS if t not in (PAD_TOKEN, EOS_TOKEN)]
 
 
 def save_tokenizer_folder(tokenizer, out_dir: str) -> str:
-    """save_pretrained with the chat template inline in tokenizer_config.json + special_tokens_map.json."""
-    tokenizer.chat_template = CHAT_TEMPLATE
+    """save_pretrained with the chat template inline in tokenizer_config.json + special_tokens_map.json.
+    A tokenizer without a chat template gets ours; one with its own (a pretrained LLM's) keeps it."""
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     special_map = dict(tokenizer.special_tokens_map)

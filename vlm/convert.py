@@ -137,7 +137,8 @@ def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_la
 
 
 def _copy_extras(src: Path, dst: Path) -> None:
-    for extra in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for extra in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja", "chat_template.json", "preprocessor_config.json"):
         if (src / extra).exists():
             shutil.copy2(src / extra, dst / extra)
 

@@ -1,7 +1,7 @@
 """The training config (``configs/train/*.yaml``): typed sections, ``base:`` inheritance, dotted
 overrides (``train.lr=1e-3``, ``model.num_experts=16``, ``deepspeed=zero3``).
 
-Keys of ``model`` other than ``kind/preset/tokenizer/init_from`` are model-config overrides, checked
+Keys of ``model`` other than ``kind/preset/llm/tokenizer/init_from`` are model-config overrides, checked
 where the model config is built; ``deepspeed_overrides`` is checked by DeepSpeed itself."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PARTS = ("vision", "projector", "chunker", "lm")
 STAGES = ("align", "finetune", "full")
 ZERO_PRESETS = ("zero1", "zero2", "zero3")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_KEYS = ("kind", "preset", "tokenizer", "init_from")
+MODEL_KEYS = ("kind", "preset", "llm", "tokenizer", "init_from")
 DATA_LOADER_KEYS = ("root", "max_length", "packing", "padding_side", "pad_to_max_length",
                     "max_bad_fraction", "min_samples_for_bad_check", "block_size", "shuffle",
                     "num_samples", "datasets")
@@ -55,8 +55,9 @@ class PartFlags(Section):
 
 class ModelSection(Section):
     kind: Literal["vlm", "lm"] = "vlm"
-    preset: Text = "configs/model/vlm_tiny.yaml"
-    tokenizer: Text | None = None  # HF tokenizer folder: sets vocab size and special-token ids
+    preset: Text | None = "configs/model/vlm_tiny.yaml"  # null: the architecture of init_from's export
+    llm: Text | None = None  # pretrained language model: a transformers or ConceptMoE folder (model_setup.py)
+    tokenizer: Text | None = None  # HF tokenizer folder: vocab size and special-token ids; null = llm's own
     init_from: Text | None = None  # an HF export (save_pretrained folder): start from its weights
     overrides: dict = {}  # every other key of the section, dotted
 
@@ -192,6 +193,11 @@ class TrainConfig(Section):
               f"must lie in [1, train.max_steps={t.max_steps}], got {t.stop_at_step}")
         check(not (self.model.kind == "lm" and t.stage == "align"), "train.stage",
               "'align' trains the projector and needs model.kind: vlm")
+        m = self.model
+        check(m.preset is not None or bool(m.init_from), "model.preset",
+              "null needs model.init_from (an export that brings its own architecture)")
+        check(m.preset is not None or not (m.llm and m.kind == "vlm"), "model.preset",
+              "a VLM from model.llm needs a preset with vision: and projector: (configs/model/llava.yaml)")
         check(self.data.kind != "mixture" or bool(self.data.config or self.data.datasets), "data.config",
               "a mixture needs data.config (a data YAML) or data.datasets")
         for i, entry in enumerate(self.data.datasets or []):

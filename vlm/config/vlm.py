@@ -79,13 +79,16 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         return cls.from_sections(load_yaml(path), overrides, base_dir=path.parent)
 
     @classmethod
-    def from_sections(cls, raw: dict, overrides: dict | None = None, base_dir: Path | None = None):
-        """The YAML sections + overrides (``vision.x``, ``projector.x``, ``text.x`` or a model key)."""
+    def from_sections(cls, raw: dict, overrides: dict | None = None, base_dir: Path | None = None,
+                      text_base: dict | None = None):
+        """The YAML sections + overrides (``vision.x``, ``projector.x``, ``text.x`` or a model key).
+        ``text_base``: flat language-model fields (a pretrained LLM's) used instead of ``text_preset``."""
         allowed = {"vision", "projector", "text_preset", "text", *TOKEN_FIELDS}
         for key in raw:
             check(key in allowed, key, f"unknown config key (expected one of {sorted(allowed)})")
         vision, projector = _mapping(raw.get("vision"), "vision"), _mapping(raw.get("projector"), "projector")
-        text_raw = _text_preset(raw.get("text_preset"), base_dir) if raw.get("text_preset") is not None else {}
+        text_raw = dict(text_base) if text_base is not None else \
+            _text_preset(raw.get("text_preset"), base_dir) if raw.get("text_preset") is not None else {}
         text_over = dict(_flat_text(_mapping(raw.get("text"), "text")))
         tokens = {k: raw[k] for k in TOKEN_FIELDS if k in raw}
         for key, val in (overrides or {}).items():

@@ -1,5 +1,5 @@
-"""Model, tokenizer / processor and data loaders for the trainer: the real mixture
-(``data_pipelines.mixture``) or a synthetic, deterministic and resumable one."""
+"""Data loaders for the trainer: the real mixture (``data_pipelines.mixture``) or a synthetic,
+deterministic and resumable one. The model side is in ``model_setup.py``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,115 +10,6 @@ from vlm.config import ConfigError
 from vlm.config.train import DATA_LOADER_KEYS, TrainConfig
 
 IGNORE_INDEX = -100
-
-
-def _prefix_error(err: Exception) -> ConfigError:
-    msg = str(err)
-    if msg.startswith("config error: "):
-        return ConfigError("config error: model." + msg[len("config error: "):])
-    return ConfigError(f"config error: model: {msg.splitlines()[0] if msg else type(err).__name__}")
-
-
-def load_tokenizer(path: str | None):
-    if not path:
-        return None
-    if not Path(path).is_dir():
-        raise ConfigError(f"config error: model.tokenizer: folder not found: {path} (run `make data`?)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-
-
-def token_ids(tokenizer) -> dict:
-    """Model-config token fields from a tokenizer with our special tokens."""
-    from data_pipelines.common import (
-        END_TOKEN,
-        IMAGE_END_TOKEN,
-        IMAGE_START_TOKEN,
-        IMAGE_TOKEN,
-        PAD_TOKEN,
-    )
-
-    vocab = tokenizer.get_vocab()
-    ids = {"vocab_size": len(tokenizer), "pad_token_id": vocab.get(PAD_TOKEN, 0),
-           "eos_token_id": vocab.get(END_TOKEN, tokenizer.eos_token_id)}
-    img = {"image_token_id": vocab.get(IMAGE_TOKEN), "im_start_token_id": vocab.get(IMAGE_START_TOKEN),
-           "im_end_token_id": vocab.get(IMAGE_END_TOKEN)}
-    return ids, img
-
-
-def synthetic_token_ids(vocab_size: int) -> tuple[dict, dict]:
-    return ({"pad_token_id": 0, "eos_token_id": 1},
-            {"image_token_id": vocab_size - 1, "im_start_token_id": vocab_size - 2,
-             "im_end_token_id": vocab_size - 3})
-
-
-def build_model_config(cfg: TrainConfig, tokenizer=None):
-    """The model config (VLM or LM) from the preset + model overrides + tokenizer ids. With
-    ``model.tokenizer`` set, the vocabulary size and the special-token ids (pad, ``<|end|>`` as eos,
-    ``<image>``, ``<im_start>``, ``<im_end>``) come from the tokenizer; without one (synthetic data)
-    fixed ids at the top of the preset's vocabulary are used."""
-    from vlm.config import ConceptMoEConfig
-    from vlm.config.vlm import ConceptMoEVLMConfig
-
-    over = dict(cfg.model.overrides)
-    try:
-        if cfg.model.kind == "vlm":
-            text_ids, img_ids = token_ids(tokenizer) if tokenizer is not None else ({}, {})
-            model_config = ConceptMoEVLMConfig.from_yaml(cfg.model.preset, **{**text_ids, **img_ids, **over})
-            if tokenizer is None:  # ids at the top of the vocabulary the preset (+ overrides) ended with
-                text_ids, img_ids = synthetic_token_ids(model_config.text_config.vocab_size)
-                for target, ids in ((model_config.text_config, text_ids), (model_config, img_ids)):
-                    for name, value in ids.items():
-                        if name not in over:
-                            setattr(target, name, value)
-                    target.validate()
-            return model_config
-        text_ids = token_ids(tokenizer)[0] if tokenizer is not None else {}
-        return ConceptMoEConfig.from_yaml(cfg.model.preset, **{**text_ids, **over})
-    except ConfigError as err:
-        raise _prefix_error(err) from None
-    except (TypeError, ValueError) as err:
-        raise _prefix_error(err) from None
-
-
-def build_model(model_config, kind: str):
-    if kind == "vlm":
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-
-        return ConceptMoEVLMForConditionalGeneration(model_config)
-    from vlm.modeling.hf import ConceptMoEForCausalLM
-
-    return ConceptMoEForCausalLM(model_config)
-
-
-def init_weights_from(model, path: str, kind: str) -> None:
-    """Copy the weights of an HF export (``save_pretrained`` folder) into ``model`` (strict)."""
-    if not Path(path).is_dir():
-        raise ConfigError(f"config error: model.init_from: folder not found: {path} (run the previous stage first?)")
-    if kind == "vlm":
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as cls
-    else:
-        from vlm.modeling.hf import ConceptMoEForCausalLM as cls
-    src = cls.from_pretrained(path)
-    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
-    missing = [m for m in missing if not m.endswith("lm_head.weight") or not model.config.tie_word_embeddings]
-    if missing or unexpected:
-        raise ConfigError(f"config error: model.init_from: {path} does not match the model "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-
-
-def text_config_of(model_config):
-    return getattr(model_config, "text_config", model_config)
-
-
-def build_processor(model, tokenizer):
-    """``ConceptMoEVLMProcessor`` for a VLM (image settings from its vision tower); None otherwise."""
-    if tokenizer is None or not hasattr(model, "vision"):
-        return None
-    from vlm.processing import ConceptMoEVLMProcessor
-
-    return ConceptMoEVLMProcessor.for_model(tokenizer, model)
 
 
 def data_config(cfg: TrainConfig) -> dict:
@@ -145,7 +36,7 @@ def build_loader(cfg: TrainConfig, model, model_config, tokenizer, processor, ra
     (``data.config``) updated by the non-null loader keys of the ``data`` section; ``synthetic``:
     ``SyntheticLoader`` (no files; deterministic, resumable)."""
     if cfg.data.kind == "synthetic":
-        tc = text_config_of(model_config)
+        tc = getattr(model_config, "text_config", model_config)
         image = None
         if cfg.model.kind == "vlm":
             image = {"num_image_tokens": model.num_image_tokens, "image_size": model.vision.image_size,

@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from vlm.training.data import build_model
+from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
 from vlm.training.state import Progress, RunContext
 

@@ -14,15 +14,7 @@ import torch
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
 from vlm.training import finish, optim, periodic
-from vlm.training.data import (
-    build_loader,
-    build_model,
-    build_model_config,
-    build_processor,
-    init_weights_from,
-    load_tokenizer,
-    text_config_of,
-)
+from vlm.training.data import build_loader
 from vlm.training.distributed import (
     barrier,
     build_ds_config,
@@ -30,6 +22,7 @@ from vlm.training.distributed import (
     resolve_device,
 )
 from vlm.training.fault_injection import Faults
+from vlm.training.model_setup import build_processor, setup_model, text_config_of
 from vlm.training.metrics import (
     MetricsLogger,
     WindowStats,
@@ -81,11 +74,8 @@ class Trainer:
                 json.dump(cfg.to_dict(), f, indent=1)
         # model (identical on every rank: same seed), then per-rank randomness
         seed_everything(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.model_config = build_model_config(cfg, self.tokenizer)
-        model = build_model(self.model_config, cfg.model.kind)
-        if cfg.model.init_from:
-            init_weights_from(model, cfg.model.init_from, cfg.model.kind)
+        setup = setup_model(cfg, self.print)
+        self.tokenizer, self.model_config, model = setup.tokenizer, setup.model_config, setup.model
         self.text_config = text_config_of(self.model_config)
         self.image_token_id = getattr(self.model_config, "image_token_id", None)
         self.processor = build_processor(model, self.tokenizer)
@@ -168,7 +158,9 @@ class Trainer:
     def _describe(self) -> None:
         c = self.cfg
         tc = self.text_config
-        lines = [(f"[train] run {c.name}: {c.model.kind} {c.model.preset}, stage {c.train.stage}, "
+        source = c.model.preset or f"the architecture of {c.model.init_from}"
+        source += f" + llm {c.model.llm}" if c.model.llm else ""
+        lines = [(f"[train] run {c.name}: {c.model.kind} {source}, stage {c.train.stage}, "
                   f"{c.deepspeed} (ZeRO-{self.zero_stage}), {'bf16' if self.bf16 else 'fp32'} on {self.device}, "
                   f"world size {self.world_size}"),
                  "[train] params (total / trainable): " + ", ".join(
