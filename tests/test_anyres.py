@@ -3,6 +3,7 @@ select_best_resolution, views known from the size, tiles that reassemble the can
 unchanged, the processor (round trip, token counts before the forward), the training data path
 (SampleEncoder, truncation that keeps a picture whole), a tiny VLM forward and a few training steps."""
 import json
+import pickle
 import random
 
 import pytest
@@ -84,6 +85,8 @@ def test_num_views_from_size_equals_views():
         assert views.shape == (t.num_views(width, height), 3, S, S) == (1 + cols * rows, 3, S, S)
         assert views.dtype == torch.float32 and torch.isfinite(views).all()
     assert t.num_views(40, 16) == 1 + 3 and t.num_views(16, 40) == 1 + 3 and t.num_views(30, 30) == 1 + 4
+    clone = pickle.loads(pickle.dumps(t))  # DataLoader workers get a pickled copy
+    assert clone == t and torch.equal(clone.views(picture(40, 16)), t.views(picture(40, 16)))
 
 
 def test_tiles_reassemble_the_canvas_and_thumbnail_is_pad():
