@@ -156,7 +156,8 @@ class ConceptMoEVLMEval(lmms):
         for index, req in enumerate(requests):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
             images = self._visuals(doc_to_visual, task, split, doc_id)
-            prompt_ids = self.chat.encode_prompt(build_prompt(context, len(images)))
+            prompt_ids = self.chat.encode_prompt(build_prompt(context, len(images)),
+                                                 image_tiles=self.processor.image_tiles(images))
             key = json.dumps(gen_kwargs or {}, sort_keys=True, default=str)
             prepared.append((key, -len(prompt_ids), index, prompt_ids, images, dict(gen_kwargs or {})))
         prepared.sort(key=lambda p: (p[0], p[1], p[2]))  # group by gen_kwargs, longest first
@@ -270,7 +271,8 @@ class ConceptMoEVLMEval(lmms):
             cont = self.continuation_ids(continuation)
             if not cont:
                 raise ValueError("loglikelihood: empty continuation")
-            rows.append(self.chat.encode_prompt(build_prompt(prompt, len(images))) + cont)
+            rows.append(self.chat.encode_prompt(build_prompt(prompt, len(images)),
+                                                image_tiles=self.processor.image_tiles(images)) + cont)
             lengths.append(len(cont))
             flat.extend(images)
         input_ids, mask = pad_token_lists(rows, self.chat.pad_id, "left", device=self.device)

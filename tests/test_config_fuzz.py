@@ -13,10 +13,10 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           78 fields x 8 = 624   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           79 fields x 8 = 632   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1282   generated cases in total
+                                                   1290   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -342,7 +342,8 @@ TRAIN_RULES = {
     "source": st.one_of(INTS, TEXT, st.none()),  # informational, set by the loader: not a key
     "model": NOT_MAPPING,
     "model.kind": not_one_of(("vlm", "lm")),
-    "model.preset": empty_path(nullable=False),
+    "model.preset": empty_path(),
+    "model.llm": empty_path(),
     "model.tokenizer": empty_path(),
     "model.init_from": empty_path(),
     "model.overrides": _model_override(),  # every other model key, checked by the model config
@@ -437,7 +438,7 @@ def test_fuzz_train_config(key, data):
     if key != "model.overrides":
         assert_one_line(key, _load_train, key, value)
         return
-    from vlm.training.data import build_model_config  # the model keys are checked where the model is built
+    from vlm.training.model_setup import build_model_config  # the model keys are checked where the model is built
 
     model_key, model_value = value
     cfg = _load_train(f"model.{model_key}", model_value)
@@ -448,7 +449,7 @@ def test_fuzz_train_config(key, data):
 def test_control_characters_in_a_key_stay_one_line():
     """Found by the faults profile: a mapping with a newline key under a model field used to print
     the newline raw (two lines). ConfigError escapes control characters."""
-    from vlm.training.data import build_model_config
+    from vlm.training.model_setup import build_model_config
 
     cfg = _load_train("model.attention.head_dim", {"\n": 0})
     msg = assert_one_line("attention.head_dim", build_model_config, cfg)

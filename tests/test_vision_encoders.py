@@ -233,7 +233,7 @@ def test_missing_weights_file_names_the_path(tmp_path):
         ({"model_kwargs": ["depth", 2]}, "vision.model_kwargs"),
         ({"pretrained": ""}, "vision.pretrained"),
         ({"backbone": ""}, "vision.backbone"),
-        ({"image_aspect": "anyres"}, "vision.image_aspect"),
+        ({"image_aspect": "crop"}, "vision.image_aspect"),
         ({"model_name": "hf-hub:no-slash"}, "vision.model_name"),
         ({"model_name": "hf-hub:"}, "vision.model_name"),
     ],

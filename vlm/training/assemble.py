@@ -119,7 +119,7 @@ def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, s
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and target.config.tie_word_embeddings)]
     if missing or result.unexpected_keys:
         raise fail("model.llm", f"{llm.path} does not match the configured model (missing {missing[:3]}, "
-                                f"unexpected {result.unexpected_keys[:3]}): a model.* override changes its shape?")
+                                f"unexpected {result.unexpected_keys[:3]})")
     count, digest = weights_digest(target)
     added = f"; {len(new_ids)} new token rows = mean of {n_original}" if new_ids else ""
     say(f"[model] language model <- {llm.path} ({llm.what}): {count} tensors, {digest}{added}")
