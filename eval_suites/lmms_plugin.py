@@ -3,6 +3,20 @@
 lmms-eval finds it through the entry point ``eval_suites.lmms_plugin:MANIFEST`` (pyproject.toml);
 ``register()`` adds it to a running registry without one. Usage, model_args and how prompts and
 scores are built: eval_suites/README.md.
+
+Prompt and reply format, the same for ``generate_until`` and ``loglikelihood``:
+
+* The user turn is the task's context without trailing whitespace (``<image>`` placeholders added
+  by ``build_prompt``); the prompt is ``ChatTokenizer.encode_prompt`` of it, i.e. the user turn
+  plus the generation prompt, our ``<|user|>...<|end|>`` format or the LLM's own chat template.
+* ``loglikelihood`` scores the continuation as the assistant's reply to that prompt. The reply is
+  the continuation without leading whitespace: lmms-eval writes ``target_delimiter`` (default
+  " ") between context and continuation, and that delimiter, or whitespace the task moved to the
+  end of the context, is never scored. The reply's ids are the tokens the training encoder
+  (``ChatTokenizer.encode_conversation``) labels for an assistant turn with that text: the reply
+  right after the generation prompt, then the turn end (``end_id``, e.g. ``<|end|>`` or
+  ``<|im_end|>``; dropped with ``score_end_token=false``). So ``target_delimiter`` " " and ""
+  give identical scores, and a choice scores as the model would generate it.
 """
 from __future__ import annotations
 
@@ -31,7 +45,9 @@ def MANIFEST():
 # lmms-eval's abstract model base class; imported after MANIFEST on purpose (see its docstring)
 from lmms_eval.api.model import lmms  # noqa: E402
 
+from data_pipelines.chat_template import TokenizationMismatch  # noqa: E402
 from data_pipelines.collate import pad_token_lists  # noqa: E402
+from data_pipelines.common import IGNORE_INDEX  # noqa: E402
 from eval_suites.lmms_compat import apply_lmms_eval_compat  # noqa: E402
 from eval_suites.lmms_inputs import (  # noqa: E402
     as_bool,
@@ -106,6 +122,7 @@ class ConceptMoEVLMEval(lmms):
         self.batch_size_per_gpu = max(1, int(batch_size))
         self.max_new_tokens = int(max_new_tokens)
         self.score_end_token = as_bool(score_end_token)
+        self._reply_cache: dict[str, list[int]] = {}
 
     # ----- lmms-eval surface -----
     @property
@@ -141,6 +158,10 @@ class ConceptMoEVLMEval(lmms):
             return []
         return flatten_visuals(doc_to_visual(self._doc(task, split, doc_id)))
 
+    def user_turn(self, context: str, num_images: int) -> str:
+        """The user-turn text for a task context (module docstring): trailing whitespace dropped."""
+        return build_prompt((context or "").rstrip(), num_images)
+
     def _pixel_values(self, images):
         pix = self.processor.preprocess_images(images) if images else None
         if pix is None:
@@ -156,7 +177,7 @@ class ConceptMoEVLMEval(lmms):
         for index, req in enumerate(requests):
             context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
             images = self._visuals(doc_to_visual, task, split, doc_id)
-            prompt_ids = self.chat.encode_prompt(build_prompt(context, len(images)),
+            prompt_ids = self.chat.encode_prompt(self.user_turn(context, len(images)),
                                                  image_tiles=self.processor.image_tiles(images))
             key = json.dumps(gen_kwargs or {}, sort_keys=True, default=str)
             prepared.append((key, -len(prompt_ids), index, prompt_ids, images, dict(gen_kwargs or {})))
@@ -228,7 +249,8 @@ class ConceptMoEVLMEval(lmms):
         with ``argmin`` of the first element, so the most likely choice must have the smallest value
         (``acc_mutual_info``, which assumes the opposite sign, is not supported). With
         ``score_end_token`` the closing ``<|end|>`` is scored too, so "1" is the whole answer "1",
-        not a prefix of "10".
+        not a prefix of "10". The continuation is scored as the assistant reply (module docstring):
+        its leading whitespace (lmms-eval's ``target_delimiter``) is not part of it.
         """
         from tqdm import tqdm
 
@@ -255,25 +277,53 @@ class ConceptMoEVLMEval(lmms):
         return results
 
     def continuation_ids(self, continuation: str) -> list[int]:
-        ids = self.tok_encode(continuation)
-        return ids + [self.chat.end_id] if self.score_end_token else ids
+        """The scored ids of a continuation: its reply tokens + the turn end (module docstring)."""
+        reply = str(continuation).lstrip()
+        labelled = self._reply_cache.get(reply)
+        if labelled is None:
+            labelled = self._reply_cache[reply] = self._training_reply_ids(reply)
+        if self.score_end_token:
+            return list(labelled)
+        marker = self.tokenizer(self.chat.marker, add_special_tokens=False)["input_ids"] if self.chat.marker else []
+        if marker and labelled[-len(marker):] == marker:
+            return labelled[:-len(marker)]
+        return list(labelled)
+
+    def _training_reply_ids(self, reply: str) -> list[int]:
+        """Ids the training encoder labels for an assistant turn ``reply`` (reply + turn end).
+
+        The user turn is a fixed stand-in: turns are separated by the template's role markers, so it
+        does not change how the reply is tokenised."""
+        conversation = [{"from": "human", "value": "?"}, {"from": "gpt", "value": reply}]
+        try:
+            ids, labels = self.chat.encode_conversation(conversation, sample_id="loglikelihood")
+        except TokenizationMismatch as err:
+            raise ValueError(f"loglikelihood: continuation {reply!r} cannot be encoded as an assistant "
+                             f"reply: {err.detail}") from None
+        return [tok for tok, lab in zip(ids, labels) if lab != IGNORE_INDEX]
+
+    def encode_request(self, context: str, continuation: str, images) -> tuple[list[int], int]:
+        """(prompt ids + scored ids, number of scored ids) of one loglikelihood request."""
+        cont = self.continuation_ids(continuation)
+        if not cont:
+            raise ValueError("loglikelihood: empty continuation")
+        prompt = self.chat.encode_prompt(self.user_turn(context, len(images)),
+                                         image_tiles=self.processor.image_tiles(images))
+        return prompt + cont, len(cont)
 
     def score_batch(self, items) -> list[tuple[float, bool]]:
         """items: (task text, assistant continuation, images) -> (NLL of the continuation, is_greedy).
 
-        The task text becomes the user turn (``build_prompt`` adds the image placeholders); the
-        continuation is the assistant reply, scored token by token (+ ``<|end|>``).
+        The task text becomes the user turn and the continuation the assistant reply, scored token
+        by token (+ the turn end); see the module docstring for the exact rule.
         """
         import torch
 
         rows, lengths, flat = [], [], []
         for prompt, continuation, images in items:
-            cont = self.continuation_ids(continuation)
-            if not cont:
-                raise ValueError("loglikelihood: empty continuation")
-            rows.append(self.chat.encode_prompt(build_prompt(prompt, len(images)),
-                                                image_tiles=self.processor.image_tiles(images)) + cont)
-            lengths.append(len(cont))
+            row, scored = self.encode_request(prompt, continuation, images)
+            rows.append(row)
+            lengths.append(scored)
             flat.extend(images)
         input_ids, mask = pad_token_lists(rows, self.chat.pad_id, "left", device=self.device)
         width = input_ids.shape[1]
