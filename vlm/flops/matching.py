@@ -137,7 +137,7 @@ def solve_match(baseline_cfg, strategy: str, ratio: float = 2.0, *, encoder_laye
         kc, f_err = _best_kc(a, F0, seq_len)
         return {"arch": a.with_(k_c=kc), "p_err": p_err, "f_err": f_err}
 
-    cands = []
+    cands, closest = [], math.inf
     if strategy in ("topk", "loop"):
         if strategy == "topk":
             loops = [()]
@@ -149,6 +149,7 @@ def solve_match(baseline_cfg, strategy: str, ratio: float = 2.0, *, encoder_laye
             for E in range(base.E, E_min - 1, -1):
                 a = c0.with_(joint=K, E=E)
                 p_err = _rel(_params(a), P0)
+                closest = min(closest, p_err)
                 if p_err > HARD[0] * 3:
                     continue
                 for lp in loops:
@@ -174,7 +175,10 @@ def solve_match(baseline_cfg, strategy: str, ratio: float = 2.0, *, encoder_laye
         pref = lambda c, t: (t, c["arch"].width_c % coarse != 0, abs(c["arch"].width_c - target),
                              -c["arch"].joint, c["p_err"] + c["f_err"])
     if not cands:
-        raise ValueError("no candidate config (try another layer split or max_expert_cut)")
+        why = (f": the added chunk / joint-decoding weights change the parameter count by at least {closest:.1%} "
+               f"(limit {HARD[0] * 3:.0%}), so the model is very small; try --joint-layers 0"
+               if closest < math.inf else "")
+        raise ValueError(f"no candidate config{why} (or another layer split, or max_expert_cut)")
     best = _choose(cands, pref)
     a = best["arch"]
     fields = _flat(baseline_cfg)

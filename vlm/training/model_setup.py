@@ -209,4 +209,11 @@ def setup_model(cfg: TrainConfig, say=print) -> ModelSetup:
         assemble.log_new_parts(model, say)
     if m.init_from:
         init_weights_from(model, m.init_from, m.kind, say)
+    elif llm is None:
+        from vision_encoders.hub import weights_digest
+
+        count, digest = weights_digest(getattr(model, "language_model", model))
+        say(f"[model] language model: random init from the preset {m.preset} (no model.llm / init_from): "
+            f"{count} tensors, {digest}")
+        assemble.log_new_parts(model, say)
     return ModelSetup(tokenizer, model_config, model)
