@@ -75,3 +75,31 @@ def session_eval_data(tmp_path_factory) -> str:
     out = str(tmp_path_factory.getbasetemp() / "cmoe_eval_data")
     build(data, out, quiet=True)
     return out
+
+
+def train_tiny_vlm(tokenizer, conversations, steps: int = 150, seed: int = 0, lr: float = 3e-3,
+                   batch_size: int = 16):
+    """(model, processor): ``build_tiny_vlm`` trained in this process on text-only conversations,
+    each encoded by the training encoder (``ChatTokenizer.encode_conversation``: loss on the
+    assistant reply + its turn end), so the model has learnt their answers in the training format.
+    About 6 s for 30 short conversations on one CPU core."""
+    import torch
+
+    from data_pipelines.collate import pad_token_lists
+    from data_pipelines.common import IGNORE_INDEX
+
+    model, processor = build_tiny_vlm(tokenizer, seed)
+    chat = processor.chat_tokenizer
+    encoded = [chat.encode_conversation(conv, sample_id=i) for i, conv in enumerate(conversations)]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randperm(len(encoded), generator=generator)[:batch_size].tolist()
+        input_ids, mask = pad_token_lists([encoded[i][0] for i in pick], chat.pad_id, "right")
+        labels, _ = pad_token_lists([encoded[i][1] for i in pick], IGNORE_INDEX, "right")
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval(), processor
