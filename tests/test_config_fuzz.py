@@ -13,10 +13,10 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           79 fields x 8 = 632   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           85 fields x 8 = 680   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1290   generated cases in total
+                                                   1338   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -27,6 +27,7 @@ import copy
 import inspect
 import re
 import sys
+import typing
 from collections import Counter
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from vision_encoders.projector import PROJECTOR_KINDS, PROJECTOR_MERGES
 from vlm.config import AttentionConfig, ChunkingConfig, ConceptMoEConfig, ConfigError, MoEConfig, read_yaml
 from vlm.config.core import Section
 from vlm.config.model import field_key
-from vlm.config.train import PARTS, STAGES, ZERO_PRESETS, TrainConfig, load_train_config
+from vlm.config.train import PARTS, REPORT_TO, STAGES, ZERO_PRESETS, TrainConfig, load_train_config
 from vlm.config.vlm import TOKEN_FIELDS as _TOKEN_FIELDS
 from vlm.config.vlm import ConceptMoEVLMConfig
 
@@ -322,6 +323,16 @@ def _bad_betas():
                      st.tuples(good, bad).map(list), st.tuples(bad, good).map(list))
 
 
+def _bad_name_list(choices=None):
+    """Not a list of distinct names: a wrong type, a blank / non-string / unknown entry, or a name twice
+    (``choices``: the allowed names; None = any non-blank string)."""
+    ok = sorted(choices) if choices else ["q_proj", "v_proj"]
+    bad = st.one_of(INTS, FLOATS, BOOLS, st.none(), LISTS,
+                    not_one_of(choices) if choices else st.sampled_from(["", "  "]))
+    return st.one_of(wrong_type("list"), st.tuples(st.lists(st.sampled_from(ok), max_size=1, unique=True), bad).map(
+        lambda t: t[0] + [t[1]]), st.sampled_from(ok).map(lambda name: [name, name]))
+
+
 def _model_override():
     return st.sampled_from(sorted(MODEL_RULES)).flatmap(
         lambda key: MODEL_RULES[key].map(lambda value: (key, value)))
@@ -383,11 +394,17 @@ TRAIN_RULES = {
     "train.freeze": NOT_MAPPING,
     **{f"train.freeze.{part}": wrong_type("bool", nullable=True) for part in PARTS},
     "train.max_nonfinite_in_row": below(1),
+    "train.lora": NOT_MAPPING,  # null = off
+    "train.lora.r": below(1),
+    "train.lora.alpha": bad_float(0, strict=True),
+    "train.lora.dropout": bad_float(0, high=1),
+    "train.lora.target_modules": st.one_of(st.just([]), _bad_name_list()),
     "log": NOT_MAPPING,
     "log.every_steps": below(1),
     "log.progress_bar": wrong_type("bool"),
-    "log.tensorboard": wrong_type("bool"),
-    "log.jsonl": wrong_type("bool"),
+    "log.report_to": _bad_name_list(REPORT_TO),
+    "log.tensorboard": wrong_type("bool", nullable=True),
+    "log.jsonl": wrong_type("bool", nullable=True),
     "log.peak_flops": bad_float(0, strict=True, nullable=True),
     "log.visualize_every": below(0),
     "checkpoint": NOT_MAPPING,
@@ -413,8 +430,9 @@ def train_field_paths(cls=TrainConfig, prefix: str = "") -> set[str]:
     paths = set()
     for name, f in cls.model_fields.items():
         paths.add(prefix + name)
-        if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
-            paths |= train_field_paths(f.annotation, f"{prefix}{name}.")
+        for sub in typing.get_args(f.annotation) or (f.annotation,):  # a section or ``Section | None``
+            if isinstance(sub, type) and issubclass(sub, Section):
+                paths |= train_field_paths(sub, f"{prefix}{name}.")
     return paths
 
 

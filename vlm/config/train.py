@@ -18,6 +18,7 @@ from vlm.config.core import deep_merge, flatten, read_yaml, unflatten
 PARTS = ("vision", "projector", "chunker", "lm")
 STAGES = ("align", "finetune", "full")
 ZERO_PRESETS = ("zero1", "zero2", "zero3")
+REPORT_TO = ("tensorboard", "wandb", "jsonl")  # log.report_to choices (vlm/training/metrics.py)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_KEYS = ("kind", "preset", "llm", "tokenizer", "init_from")
 DATA_LOADER_KEYS = ("root", "max_length", "packing", "padding_side", "pad_to_max_length",
@@ -29,6 +30,12 @@ def _plain_name(name: str) -> str:
     if not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError("must be a plain folder name (no '/', not '.' or '..')")
     return name
+
+
+def _unique(values: list) -> list:
+    if len(set(values)) != len(values):
+        raise ValueError("must not list a value twice")
+    return values
 
 
 def _deepspeed(value: str) -> str:
@@ -100,6 +107,17 @@ class DataSection(Section):
     synthetic_vocab: Annotated[int, Field(ge=8)] = 64  # synthetic data: learnable integer sequences
 
 
+class LoraSection(Section):
+    """LoRA adapters (peft) on the language model's linear layers (``vlm/training/lora.py``): the lm
+    part then trains only its adapters; the other parts follow ``train.stage`` / ``train.freeze``."""
+    r: PosInt = 8  # adapter rank
+    alpha: Num(gt=0) = 16.0  # scaling = alpha / r
+    dropout: Num(ge=0, lt=1) = 0.0  # on the adapter's input, training only
+    # leaf names (or dotted tails) of nn.Linear modules of the LM; the MoE experts are not nn.Linear
+    target_modules: Annotated[list[Text], Field(min_length=1), AfterValidator(_unique)] = \
+        ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 class TrainSection(Section):
     stage: Literal[STAGES] = "full"
     max_steps: PosInt = 100  # optimizer steps; the LR schedule spans exactly these
@@ -116,15 +134,30 @@ class TrainSection(Section):
     lr_mult: PartFloats = PartFloats()
     freeze: PartFlags = PartFlags()
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
+    lora: LoraSection | None = None  # null = off (full training of the lm part)
 
 
 class LogSection(Section):
     every_steps: PosInt = 10
     progress_bar: bool = True
-    tensorboard: bool = True
-    jsonl: bool = True
+    # metric sinks: tensorboard (<run>/tb), wandb (W&B; WANDB_MODE / WANDB_PROJECT / WANDB_DIR from the
+    # environment), jsonl (<run>/metrics.jsonl)
+    report_to: Annotated[list[Literal[REPORT_TO]], AfterValidator(_unique)] = ["tensorboard", "jsonl"]
+    tensorboard: bool | None = None  # older switch: true adds tensorboard to report_to, false drops it
+    jsonl: bool | None = None  # the same for jsonl
     peak_flops: Num(gt=0) | None = None  # per device; None = a guess from the device (see metrics)
     visualize_every: NonNegInt = 0  # boundary picture via vlm.visualize every N steps (0 = never)
+
+    @property
+    def sinks(self) -> list[str]:
+        """``report_to`` with the ``tensorboard`` / ``jsonl`` switches applied."""
+        out = list(self.report_to)
+        for name, flag in (("tensorboard", self.tensorboard), ("jsonl", self.jsonl)):
+            if flag is True and name not in out:
+                out.append(name)
+            elif flag is False and name in out:
+                out.remove(name)
+        return out
 
 
 class CheckpointSection(Section):

@@ -7,13 +7,14 @@ import math
 import time
 from pathlib import Path
 
+from vlm.training import lora
 from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
 from vlm.training.state import Progress, RunContext
 
 
 def export_hf(ctx: RunContext) -> Path:
-    """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0."""
+    """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0 (LoRA adapters merged)."""
     out_dir = ctx.run_dir / "hf"
     module = ctx.module
     if ctx.zero_stage == 3:
@@ -27,9 +28,13 @@ def export_hf(ctx: RunContext) -> Path:
         state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if ctx.is_main else None
     if ctx.is_main:
         fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
+        if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
+            lora.inject(fresh, ctx.cfg.train.lora)
         missing, unexpected = fresh.load_state_dict(state, strict=False)
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        if ctx.cfg.train.lora:
+            lora.merge(fresh)
         fresh.save_pretrained(str(out_dir))
         if ctx.processor is not None:
             ctx.processor.save_pretrained(str(out_dir))

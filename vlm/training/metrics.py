@@ -1,10 +1,12 @@
 """Training metrics: per-micro-batch accumulation, cross-rank reduction, rank-0 sinks (metrics.jsonl,
-TensorBoard, the progress bar) and MFU; ``MetricsLogger`` lists the keys of a record."""
+TensorBoard, W&B, the progress bar) and MFU; ``MetricsLogger`` lists the keys of a record."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -161,11 +163,14 @@ def train_flops_per_token(text_config, seq_len: float, ratio: float | None) -> f
 
 
 class MetricsLogger:
-    """Rank-0 sinks: tqdm bar (or, with the bar off, one ``progress_line`` per log step), TensorBoard,
-    JSONL. Other ranks get a no-op instance.
+    """Rank-0 sinks: tqdm bar (or, with the bar off, one ``progress_line`` per log step) and the
+    ``log.report_to`` sinks: tensorboard, wandb, jsonl. Other ranks get a no-op instance.
 
-    Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``
-    and the same scalars to TensorBoard (``runs/<name>/tb``), and updates the tqdm bar. Keys:
+    Every log step (``log.every_steps``) rank 0 writes one JSON line to ``runs/<name>/metrics.jsonl``,
+    the same scalars to TensorBoard (``runs/<name>/tb``) and to W&B (``wandb.log(..., step=step)``, the
+    same ``train/<key>`` / ``eval/<key>`` / ``lr/<group>`` names; the run is named after ``name`` in the
+    project ``$WANDB_PROJECT`` or ``conceptmoe-vl``, its files under ``$WANDB_DIR`` or ``runs/<name>``;
+    ``WANDB_MODE=offline`` needs no account), and updates the tqdm bar. Keys:
 
         step, time_s, loss, lm_loss, ratio_loss, lb_loss, z_loss   (means over the window's
                                                           micro-batches and ranks; ``loss`` is the
@@ -190,10 +195,12 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int, progress_bar: bool,
-                 tensorboard: bool, jsonl: bool):
+                 sinks=("tensorboard", "jsonl"), run_name: str | None = None, run_config: dict | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
-        self.bar = self.tb = self.jsonl = None
+        self.bar = self.tb = self.jsonl = self.wandb = None
+        if "wandb" in sinks:
+            require_wandb()  # every rank: the same one-line error everywhere, not a hang
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -202,14 +209,16 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True,
                             mininterval=1.0, smoothing=0.1)
-        if tensorboard:
+        if "tensorboard" in sinks:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tb"))
             except Exception as err:  # noqa: BLE001 - logging must not stop training
                 print(f"[train] TensorBoard disabled: {err}", flush=True)
-        if jsonl:
+        if "wandb" in sinks:
+            self.wandb = start_wandb(run_dir, run_name or run_dir.name, run_config)
+        if "jsonl" in sinks:
             self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def advance(self, n: int = 1) -> None:
@@ -229,16 +238,17 @@ class MetricsLogger:
         elif "loss" in record:  # no bar: one line per log step, so a plain log shows progress too
             print(progress_line(record, self.total_steps), flush=True)
         if self.tb is not None:
-            for key, val in record.items():
-                if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and key != "step":
-                    self.tb.add_scalar(f"{'eval' if key.startswith('eval_') else 'train'}/{key}", val, step)
-            for key, val in (record.get("lr_groups") or {}).items():
-                self.tb.add_scalar(f"lr/{key}", val, step)
+            for tag, val in scalars(record).items():
+                self.tb.add_scalar(tag, val, step)
             for li, row in enumerate(record.get("expert_load") or []):
                 for e, frac in enumerate(row):
                     self.tb.add_scalar(f"expert_load/run{li:02d}/e{e:02d}", frac, step)
-            for reason, n in (record.get("skipped_samples") or {}).items():
-                self.tb.add_scalar(f"skipped_samples/{reason}", n, step)
+        if self.wandb is not None:
+            try:
+                self.wandb.log(scalars(record), step=step)
+            except Exception as err:  # noqa: BLE001 - logging must not stop training
+                print(f"[train] W&B disabled: {err}", flush=True)
+                self.wandb = None
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(_jsonable(record)) + "\n")
             self.jsonl.flush()
@@ -257,9 +267,52 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.flush()
             self.tb.close()
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception as err:  # noqa: BLE001
+                print(f"[train] W&B finish failed: {err}", flush=True)
         if self.jsonl is not None:
             self.jsonl.close()
-        self.bar = self.tb = self.jsonl = None
+        self.bar = self.tb = self.jsonl = self.wandb = None
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The record's finite numbers as TensorBoard / W&B tags: ``train/<key>`` (``eval/<key>`` for
+    ``eval_*``), ``lr/<group>``, ``skipped_samples/<reason>``."""
+    out = {}
+    for key, val in record.items():
+        if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and key != "step":
+            out[f"{'eval' if key.startswith('eval_') else 'train'}/{key}"] = val
+    for key, val in (record.get("lr_groups") or {}).items():
+        out[f"lr/{key}"] = val
+    for reason, n in (record.get("skipped_samples") or {}).items():
+        out[f"skipped_samples/{reason}"] = n
+    return out
+
+
+def require_wandb() -> None:
+    """``log.report_to: [wandb]`` needs the package: one line if it is missing. ``vlm.train`` hides
+    wandb from timm's optional import (``sys.modules['wandb'] = None``); asked for, it is unhidden."""
+    if "wandb" in sys.modules and sys.modules["wandb"] is None:
+        del sys.modules["wandb"]
+    if importlib.util.find_spec("wandb") is None:
+        from vlm.config import ConfigError
+
+        raise ConfigError("config error: log.report_to: wandb is not installed (pip install wandb)")
+
+
+def start_wandb(run_dir: Path, name: str, run_config: dict | None):
+    """``wandb.init`` for this run (None, with one line, if W&B cannot start: logging never stops training)."""
+    try:
+        import wandb
+
+        return wandb.init(project=os.environ.get("WANDB_PROJECT") or "conceptmoe-vl", name=name,
+                          config=run_config or {}, dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
+                          settings=wandb.Settings(console="off"))
+    except Exception as err:  # noqa: BLE001 - logging must not stop training
+        print(f"[train] W&B disabled: {err}", flush=True)
+        return None
 
 
 def progress_line(record: dict, total_steps: int | None = None) -> str:

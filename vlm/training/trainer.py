@@ -13,7 +13,7 @@ import torch
 
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
-from vlm.training import finish, optim, periodic
+from vlm.training import finish, lora, optim, periodic
 from vlm.training.data import build_loader
 from vlm.training.distributed import (
     barrier,
@@ -80,7 +80,8 @@ class Trainer:
         self.image_token_id = getattr(self.model_config, "image_token_id", None)
         self.processor = build_processor(model, self.tokenizer)
         self.trainable = optim.trainable_parts(cfg)
-        self.trainable_counts = optim.apply_freeze(model, self.trainable)
+        self.trainable_counts = (lora.apply(model, cfg, self.trainable, self.print) if cfg.train.lora
+                                 else optim.apply_freeze(model, self.trainable))  # train.lora: adapters on the LM
         self.total_counts = optim.count_params(model)
         seed_everything(cfg.seed * 1000 + 1 + self.rank)
         import deepspeed
@@ -119,7 +120,7 @@ class Trainer:
         self.stop_step = cfg.train.stop_at_step or cfg.train.max_steps
         self.peak_flops = cfg.log.peak_flops or guess_peak_flops(self.device)
         self.logger = MetricsLogger(self.run_dir, self.is_main, cfg.train.max_steps, self.step, cfg.log.progress_bar,
-                                    cfg.log.tensorboard, cfg.log.jsonl)
+                                    cfg.log.sinks, cfg.name, cfg.to_dict())
         self._describe()
 
     # read-only views for callers (vlm/train.py, vlm/compare/jobs.py, tests)
