@@ -161,3 +161,30 @@ def test_report_to_wandb_offline(tmp_path, monkeypatch):
     assert [r["_step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["train/loss"] == pytest.approx(trainer.last_record["loss"], rel=1e-9)
     assert all(any(k.startswith("lr/") for k in r) for r in rows)
+
+
+def test_report_to_and_the_older_switches():
+    """``log.report_to`` picks the sinks; ``log.tensorboard`` / ``log.jsonl`` (null by default) add or drop one."""
+    from vlm.config.train import load_train_config
+
+    def sinks(**log):
+        return load_train_config(None, raw={"data": {"kind": "synthetic"}, "log": log}).log.sinks
+
+    assert sinks() == ["tensorboard", "jsonl"]
+    assert sinks(report_to=["wandb"]) == ["wandb"]
+    assert sinks(report_to=["wandb"], jsonl=True) == ["wandb", "jsonl"]
+    assert sinks(tensorboard=False) == ["jsonl"]
+    assert sinks(report_to=[]) == []
+
+
+def test_wandb_is_imported_only_when_asked(tmp_path):
+    """A logger without ``wandb`` in its sinks never imports it (a fresh interpreter)."""
+    import subprocess
+
+    code = ("import sys; from pathlib import Path; from vlm.training.metrics import MetricsLogger; "
+            f"log = MetricsLogger(Path({str(tmp_path)!r}), True, 2, 0, False, ['tensorboard', 'jsonl']); "
+            "log.log({'step': 1, 'loss': 1.0}); log.close(); print('wandb' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=helpers.REPO_ROOT, env=helpers.clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
