@@ -63,9 +63,11 @@ def ema_scan(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) -> torch.
     L_BNQQ = torch.exp(_segsum(log_a))
     y = L_BNQQ @ x_BMD.view(B, nb, Q, D)  # within-block recurrence from a zero state
     decay_BNQ = torch.exp(log_a.cumsum(-1))  # from each block's start to position i
+    # unbind, not y[:, k]: the backward of each y[:, k] would write a full-size zero gradient
+    # (quadratic in the number of blocks); unbind's backward stacks the block gradients once.
     state, blocks = torch.zeros_like(y[:, 0, 0]), []
-    for k in range(nb):
-        y_k = y[:, k] + decay_BNQ[:, k, :, None] * state[:, None]
+    for y_BQD, decay_BQ in zip(y.unbind(1), decay_BNQ.unbind(1)):
+        y_k = y_BQD + decay_BQ[:, :, None] * state[:, None]
         blocks.append(y_k)
         state = y_k[:, -1]
     return torch.cat(blocks, 1)[:, :M].to(c_BMD.dtype)
