@@ -19,7 +19,18 @@ IGNORE_INDEX = -100
 SCALARS = ("loss", "lm_loss", "ratio_loss", "lb_loss", "z_loss")
 # counters summed over micro-batches and ranks (index into the reduction vector)
 COUNTERS = ("micro", "nonfinite", "tokens", "rows", "samples", "bnd", "tok_img", "bnd_img", "tok_txt", "bnd_txt",
-            "prob_sum", "prob_n", "padded_tokens")
+            "prob_sum", "prob_n", "padded_tokens", "doc_tokens_sq")
+
+
+def doc_tokens_sq(segment_ids_BT: torch.Tensor, device) -> torch.Tensor:
+    """Sum over the documents of a batch of (document length)^2: a document is a run of one segment id
+    > 0 in a row (packing; a padded row is one document). No host sync (a fixed-size scatter_add)."""
+    seg = segment_ids_BT.to(device).long()
+    B, T = seg.shape
+    key_BT = torch.arange(B, device=seg.device)[:, None] * (T + 1) + seg.clamp(0, T)
+    counts = torch.zeros(B * (T + 1), dtype=torch.float64, device=seg.device)
+    counts.scatter_add_(0, key_BT.flatten(), (seg > 0).flatten().double())
+    return counts.square().sum()
 
 
 def guess_peak_flops(device: str) -> float:
@@ -77,6 +88,8 @@ class WindowStats:
         c["padded_tokens"] = zero + valid.numel()
         c["rows"] = zero + valid.shape[0]
         c["samples"] = zero + float(batch.get("num_samples", valid.shape[0]))
+        seg = batch.get("segment_ids")
+        c["doc_tokens_sq"] = doc_tokens_sq(seg if seg is not None else mask, dev)
         b = getattr(out, "boundary_mask", None)
         if b is not None:
             img = None if self.image_token_id is None else batch["input_ids"].to(dev) == self.image_token_id
@@ -144,17 +157,21 @@ def summarize(red: dict, elapsed: float, world_size: int) -> dict:
     out["tokens_per_s"] = c["tokens"] / max(elapsed, 1e-9)
     out["samples_per_s"] = c["samples"] / max(elapsed, 1e-9)
     out["mean_row_len"] = c["padded_tokens"] / max(c["rows"], 1.0)
+    # the document length a token sits in, token-weighted: what its causal attention spans (x 1/2)
+    out["mean_doc_len"] = c["doc_tokens_sq"] / max(c["tokens"], 1.0)
     return out
 
 
-def train_flops_per_token(text_config, seq_len: float, ratio: float | None) -> float | None:
+def train_flops_per_token(text_config, seq_len: float, ratio: float | None, causal_half: bool = True) -> float | None:
+    """Training FLOPs per token. ``seq_len``: the token-weighted mean document length (``mean_doc_len``),
+    so with ``causal_half`` the attention map counts what causal attention within each document does."""
     try:
         from vlm.flops import flops_per_token
     except ImportError:
         return None
     try:
         f = flops_per_token(text_config, seq_len=max(round(seq_len), 1),
-                            ratio=ratio if getattr(text_config, "chunking", False) else None)
+                            ratio=ratio if getattr(text_config, "chunking", False) else None, causal_half=causal_half)
     except Exception:  # noqa: BLE001 - a FLOPs estimate must never stop training
         return None
     if "train_total" in f:

@@ -312,7 +312,7 @@ class Trainer:
         rec["nonfinite_in_row"] = p.nonfinite_in_row
         rec["skipped_samples"] = skipped_samples
         rec["tokens_seen"] = p.tokens_seen
-        fpt = train_flops_per_token(self.text_config, rec["mean_row_len"], rec.get("ratio"))
+        fpt = train_flops_per_token(self.text_config, rec["mean_doc_len"], rec.get("ratio"))
         if fpt is not None:
             rec["flops_per_token"] = fpt
             rec["mfu"] = rec["tokens_per_s"] * fpt / (self.peak_flops * self.world_size)
