@@ -1,10 +1,11 @@
-"""Cached decoding: token KV caches, the compressed concept cache, and the sampling loop.
+"""Cached decoding: token KV caches, the compressed concept cache, one decoding step.
 
 The prefill is the ordinary forward over the prompt with a ``DecodeState``. Each new token then
 runs the encoder layers, the chunk step (the same boundary rule, concept merge and EMA recurrence
 as the full forward, continued through the state's ``ChunkCarry``), the concept model only where a
-concept completes (one cache entry per concept), and the decoder layers. ``decode_loop`` is the
-sampling loop (greedy, temperature, top-p, top-k, eos) behind the HF wrappers' ``generate``.
+concept completes (one cache entry per concept), and the decoder layers. ``generate`` is
+transformers' own loop (greedy, sampling, beam search, ...) over a ``ConceptCache`` (cache.py) that
+holds one ``DecodeState``; see hf.py.
 """
 from __future__ import annotations
 
@@ -87,40 +88,3 @@ def _concept_step(model: ConceptMoEModel, state: DecodeState, concept_BD, commit
         c, _ = model.concept_model[li](c, ccos_sin, cache=cache)
         cache.advance(commit_B)
     return model.from_concept(c - c_in)[:, 0]
-
-
-def sample_next(logits_BV: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
-                top_k: int, generator=None) -> torch.Tensor:
-    if not do_sample or temperature <= 0:
-        return logits_BV.argmax(-1)
-    logits = logits_BV.float() / temperature
-    if top_k and top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_l, idx = logits.sort(-1, descending=True)
-        cum = sorted_l.softmax(-1).cumsum(-1)
-        drop = cum - sorted_l.softmax(-1) > top_p
-        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_l)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
-
-
-@torch.no_grad()
-def decode_loop(prefill_fn, step_fn, input_ids_BT, max_new_tokens: int, do_sample=False, temperature=1.0,
-                top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0, generator=None) -> torch.Tensor:
-    """Generic loop: ``prefill_fn() -> logits[B, V]`` then ``step_fn(tokens_B) -> logits[B, V]``."""
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    logits = prefill_fn()
-    done = torch.zeros(input_ids_BT.shape[0], dtype=torch.bool, device=input_ids_BT.device)
-    out = [input_ids_BT]
-    for i in range(max_new_tokens):
-        nxt = sample_next(logits, do_sample, temperature, top_p, top_k, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
-        out.append(nxt[:, None])
-        if eos:
-            done = done | torch.isin(nxt, torch.tensor(sorted(eos), device=nxt.device))
-        if bool(done.all()) or i == max_new_tokens - 1:
-            break
-        logits = step_fn(nxt)
-    return torch.cat(out, 1)

@@ -2,25 +2,37 @@
 
 ``save_pretrained`` writes safetensors; ``from_pretrained`` reads safetensors only (a folder that
 holds only pickles is refused unless ``trust_pickle=True``; see ``vlm/safe_loading.py``).
-``generate`` keeps the HF signature but runs our own cached decoding (``generation.py``), because
-the concept cache advances per row and is not an HF ``Cache``.
+
+``generate`` is transformers' ``GenerationMixin.generate`` on our cached decoding: the forward with
+a ``ConceptCache`` (cache.py) runs the prefill on a fresh ``DecodeState`` and ``decode_step`` for each
+later token. Supported: greedy, sampling (temperature, top_p, top_k, ... logits processors),
+repetition penalty, beam search and beam sampling, eos lists / stop strings, ``streamer``,
+``return_dict_in_generate`` with ``output_scores`` / ``output_logits``, ``num_return_sequences``,
+``use_cache=False`` (repeated full forwards). Refused in one line (``check_generation``): assisted /
+speculative / prompt-lookup decoding, contrastive search, DoLa, group / constrained beam search,
+classifier-free guidance, ``cache_implementation``, chunked prefill, attentions / hidden states
+outputs, ``generator=`` (seed with ``torch.manual_seed``). The generation config holds only the
+config's special token ids: the config's ``top_k`` is the MoE's experts per token, not a sampling flag.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.utils import ModelOutput
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
 
 from vlm.config import ConceptMoEConfig
 from vlm.modeling.attention import Attention
-from vlm.modeling.chunking import ChunkModule
+from vlm.modeling.cache import ConceptCache
+from vlm.modeling.chunking import TEXT, ChunkModule
 from vlm.modeling.conceptmoe import ConceptMoEModel, compression_stats
-from vlm.modeling.generation import DecodeState, decode_loop, decode_step
+from vlm.modeling.generation import DecodeState, decode_step
 from vlm.modeling.moe import MoEFeedForward
 from vlm.safe_loading import require_safetensors
 
@@ -38,6 +50,7 @@ class ConceptMoEOutput(ModelOutput):
     num_concepts: torch.Tensor | None = None
     compression: dict | None = None
     tokens_per_expert: list | None = None
+    cache: ConceptCache | None = None
 
 
 def lm_loss_fn(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
@@ -57,8 +70,61 @@ def total_loss(cfg: ConceptMoEConfig, lm, ratio, lb, z):
     return loss
 
 
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                   GenerationMode.BEAM_SAMPLE)
+REFUSED_KWARGS = {
+    "assistant_model": "assisted / speculative decoding needs a cache that can be cropped back",
+    "custom_generate": "custom decoding loops are not run on the concept cache",
+    "negative_prompt_ids": "classifier-free guidance runs a second cache the concept cache does not provide",
+    "generator": "transformers samples with the global RNG: seed it with torch.manual_seed",
+    "segment_ids": "packed segments are a training layout, not a generation input",
+    "labels": "generate computes no loss",
+}
+
+
+class ConceptMoEGenerationConfig(GenerationConfig):
+    """Only ``from_model_config`` differs: it copies the special token ids of the (text) model config and
+    nothing else, so the MoE's ``top_k`` (experts per token) never becomes a top-k sampling flag."""
+
+    @classmethod
+    def from_model_config(cls, model_config) -> GenerationConfig:
+        if not isinstance(model_config, dict):
+            model_config = model_config.get_text_config(decoder=True).to_dict()
+        model_config = model_config.get("text_config") or model_config
+        ids = {k: model_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None}, _from_model_config=True)
+        config._original_object_hash = hash(config)
+        return config
+
+
+def check_generation(config: GenerationConfig) -> None:
+    """One line for every generation option the concept cache cannot serve (nothing is ignored)."""
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise ValueError(f"ConceptMoE generate: {mode.value} is not supported with the concept cache "
+                         f"(supported: {', '.join(m.value for m in SUPPORTED_MODES)})")
+    refused = {
+        "cache_implementation": (config.cache_implementation is not None,
+                                 "generation always uses the ConceptCache (vlm/modeling/cache.py)"),
+        "prefill_chunk_size": (config.prefill_chunk_size is not None, "the prefill runs on the whole prompt"),
+        "output_attentions": (bool(config.output_attentions), "the model returns no attention weights"),
+        "output_hidden_states": (bool(config.output_hidden_states), "the model returns no hidden states"),
+        "guidance_scale": (config.guidance_scale not in (None, 1, 1.0),
+                           "classifier-free guidance runs a second cache the concept cache does not provide"),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"ConceptMoE generate: {name}={getattr(config, name)!r} is not supported: {why}")
+
+
+def require_left_padding(attention_mask) -> None:
+    if attention_mask is not None and attention_mask.dim() == 2 and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("generate expects left padding: the last column of attention_mask must be all 1")
+
+
 class ConceptMoEPreTrainedModel(PreTrainedModel):
     config_class = ConceptMoEConfig
+    generation_config_class = ConceptMoEGenerationConfig
     base_model_prefix = "model"
     _no_split_modules = ["TransformerBlock"]
     _supports_sdpa = True
@@ -99,8 +165,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         self.model = ConceptMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        if getattr(self, "generation_config", None) is not None:
-            self.generation_config.top_k = None  # copied from config.top_k (MoE experts), not sampling
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -112,10 +176,25 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                labels=None, segment_ids=None, modality_ids=None, **kwargs) -> ConceptMoEOutput:
+                labels=None, segment_ids=None, modality_ids=None, cache: ConceptCache | None = None,
+                logits_to_keep: int = 0, **kwargs) -> ConceptMoEOutput:
+        """Full forward; with ``cache`` (generation) the prefill on a fresh cache, then one token per row.
+        ``logits_to_keep=n`` computes the logits of the last n positions only (0: all)."""
+        if logits_to_keep and labels is not None:
+            raise ValueError("logits_to_keep drops the logits the loss needs: pass labels without it")
+        if cache is not None and cache.started:
+            return self._decode(cache, input_ids, inputs_embeds, labels, segment_ids)
+        state = None
+        if cache is not None:
+            if labels is not None or segment_ids is not None:
+                raise ValueError("a forward with a ConceptCache takes no labels or segment_ids")
+            require_left_padding(attention_mask)
+            ref = inputs_embeds if inputs_embeds is not None else input_ids
+            p = next(self.parameters())
+            state = cache.state = DecodeState.allocate(self.model, ref.shape[0], cache.capacity, p.device, p.dtype)
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                         position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids)
-        logits = self.lm_head(out.hidden_BTD)
+                         position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids, state=state)
+        logits = self.lm_head(out.hidden_BTD[:, -logits_to_keep:] if logits_to_keep else out.hidden_BTD)
         lm = lm_loss_fn(logits, labels) if labels is not None else None
         loss = total_loss(self.config, lm, out.ratio_loss, out.lb_loss, out.z_loss) if lm is not None else None
         compression = None
@@ -125,7 +204,17 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         return ConceptMoEOutput(loss=loss, logits=logits, lm_loss=lm, ratio_loss=out.ratio_loss,
                                 lb_loss=out.lb_loss, z_loss=out.z_loss, boundary_mask=out.boundary_BT,
                                 boundary_probs=out.prob_BT, num_concepts=out.num_concepts_B,
-                                compression=compression, tokens_per_expert=out.tokens_per_expert)
+                                compression=compression, tokens_per_expert=out.tokens_per_expert, cache=cache)
+
+    def _decode(self, cache: ConceptCache, input_ids, inputs_embeds, labels, segment_ids) -> ConceptMoEOutput:
+        """One new token per row on a started cache: ``decode_step``; logits [B, 1, V]."""
+        if inputs_embeds is not None or labels is not None or segment_ids is not None:
+            raise ValueError("a started ConceptCache takes input_ids only (no inputs_embeds, labels, segment_ids)")
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            shape = None if input_ids is None else tuple(input_ids.shape)
+            raise ValueError(f"a started ConceptCache takes one new token per row (input_ids [B, 1]), got {shape}")
+        logits = self.lm_head(decode_step(self.model, cache.state, input_ids))
+        return ConceptMoEOutput(logits=logits, cache=cache)
 
     # generation --------------------------------------------------------------------------------
     def start_decoding(self, batch: int, capacity: int) -> DecodeState:
@@ -134,6 +223,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
 
     def prefill(self, state: DecodeState, input_ids=None, inputs_embeds=None, attention_mask=None,
                 modality_ids=None) -> torch.Tensor:
+        """Low-level cached decoding (tests, benchmarks): the prompt on a fresh state; logits [B, V]."""
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                          modality_ids=modality_ids, state=state)
         self._last_prefill = out
@@ -143,30 +233,68 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         return self.lm_head(decode_step(self.model, state, tokens_B[:, None])[:, 0])
 
     @torch.no_grad()
-    def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None,
-                 pad_token_id=None, inputs_embeds=None, modality_ids=None, generator=None, **kwargs):
-        """Left-padded batch in, ``[B, T + new]`` token ids out (HF-style signature)."""
-        if kwargs.get("generation_config") is not None:
-            gc = kwargs["generation_config"]
-            max_new_tokens = gc.max_new_tokens or max_new_tokens
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` on the concept cache (see the module docstring); the model runs
+        in eval mode and returns to its previous mode. Left-padded batches only."""
+        for name, why in REFUSED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"ConceptMoE generate: {name}= is not supported: {why}")
+        require_left_padding(kwargs.get("attention_mask"))
         was_training = self.training
         self.eval()
-        ids = input_ids if input_ids is not None else torch.zeros(inputs_embeds.shape[:2], dtype=torch.long,
-                                                                    device=inputs_embeds.device)
-        B, T = ids.shape
-        if attention_mask is not None and bool((attention_mask[:, -1] == 0).any()):
-            raise ValueError("generate expects left padding: the last column of attention_mask must be all 1")
-        state = self.start_decoding(B, T + max_new_tokens + 1)
-        eos = eos_token_id if eos_token_id is not None else self.config.eos_token_id
-        pad = pad_token_id if pad_token_id is not None else (self.config.pad_token_id or 0)
         try:
-            return decode_loop(
-                lambda: self.prefill(state, input_ids, inputs_embeds, attention_mask, modality_ids),
-                lambda tok: self.step(state, tok), ids, max_new_tokens, do_sample, temperature, top_p, top_k,
-                eos, pad, generator)
+            return super().generate(inputs, generation_config, **kwargs)
         finally:
             self.train(was_training)
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        check_generation(config)
+        return config, model_kwargs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length) -> None:
+        """A fresh ``ConceptCache`` sized for prompt + new tokens (a given one must be a ConceptCache)."""
+        given = model_kwargs.get("cache")
+        if given is not None:
+            if not isinstance(given, ConceptCache):
+                raise ValueError(f"ConceptMoE generate: a {type(given).__name__} cache is not supported: pass a "
+                                 "ConceptCache (vlm/modeling/cache.py) or none")
+            return
+        if generation_config.use_cache is not False:
+            model_kwargs["cache"] = ConceptCache(max_cache_length + 1)
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, modality_ids=None,
+                                      position_ids=None, use_cache=None, logits_to_keep=None, **kwargs):
+        """Started cache: the last token only (the state knows positions, padding and modality). Fresh
+        cache (the prefill): the whole prompt, as ``inputs_embeds`` when given. No cache: the whole
+        sequence so far, new tokens being text."""
+        extra = sorted(k for k, v in kwargs.items() if v is not None)
+        if extra:
+            raise ValueError(f"ConceptMoE generate: unsupported model inputs {extra}")
+        if cache is not None and cache.started:
+            return {"input_ids": input_ids[:, -1:], "cache": cache, "logits_to_keep": logits_to_keep}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "cache": cache, "logits_to_keep": logits_to_keep}
+        if inputs_embeds is not None and cache is not None:
+            inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
+        if modality_ids is not None:
+            new = input_ids.shape[1] - modality_ids.shape[1] if inputs_embeds is None or cache is None else 0
+            inputs["modality_ids"] = F.pad(modality_ids, (0, max(new, 0)), value=TEXT)
+        return inputs
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs):
+        """A checkpoint without generation_config.json keeps the one built from its config (special token
+        ids): transformers would otherwise read every generation-like key of config.json (``top_k``)."""
+        if generation_config is None and pretrained_model_name_or_path is not None and \
+                os.path.isdir(pretrained_model_name_or_path):
+            sub = kwargs.get("subfolder") or ""
+            if not os.path.isfile(os.path.join(pretrained_model_name_or_path, sub, GENERATION_CONFIG_NAME)):
+                return
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                                     *args, **kwargs)
 
 
 AutoConfig.register("conceptmoe", ConceptMoEConfig, exist_ok=True)

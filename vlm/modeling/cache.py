@@ -1,0 +1,108 @@
+"""``ConceptCache``: the compressed concept cache as a transformers ``Cache``, so that transformers'
+``GenerationMixin.generate`` (greedy, sampling, beam search, streamers, scores) drives our decoding.
+
+It holds one ``DecodeState`` (generation.py: token KV caches, concept KV caches, the chunker's
+``ChunkCarry``), allocated by the model's first forward with the cache (the prefill, on the whole
+prompt) and continued one token per row by ``decode_step``. It has no per-layer ``layers`` of its own:
+transformers' layer-wise operations are replaced here by whole-state ones. ``reorder_cache`` (beam
+search) selects rows of EVERY tensor of the state (``select_rows``); ``crop`` is refused, since a
+concept may have completed inside the removed tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import Cache
+
+from vlm.modeling.attention import KVCache
+from vlm.modeling.generation import DecodeState
+
+
+def _select(value, index_B: torch.Tensor):
+    """``value`` with its batch rows taken at ``index_B`` (tensors, KV caches and lists of them)."""
+    if value is None:
+        return None
+    if torch.is_tensor(value):
+        return value.index_select(0, index_B.to(value.device))
+    if isinstance(value, KVCache):
+        for name, tensor in vars(value).items():
+            setattr(value, name, _select(tensor, index_B))
+        return value
+    if isinstance(value, list):
+        return [_select(v, index_B) for v in value]
+    raise TypeError(f"select_rows: cannot select batch rows of a {type(value).__name__}")
+
+
+def select_rows(state: DecodeState, index_B: torch.Tensor) -> DecodeState:
+    """Rows ``index_B`` of every tensor of ``state`` (in place; also returned): beam reordering, or
+    ``repeat_interleave`` with a repeated index."""
+    for f in dataclasses.fields(state):
+        setattr(state, f.name, _select(getattr(state, f.name), index_B))
+    return state
+
+
+def state_tensors(state: DecodeState) -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` by a readable name (tests compare states with it)."""
+    out = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            key = f"{f.name}[{i}]" if isinstance(value, list) else f.name
+            if torch.is_tensor(item):
+                out[key] = item
+            elif isinstance(item, KVCache):
+                out.update({f"{key}.{n}": t for n, t in vars(item).items()})
+    return out
+
+
+class ConceptCache(Cache):
+    """One ``DecodeState`` for ``generate``. ``capacity``: token slots per token layer (prompt + new)."""
+
+    def __init__(self, capacity: int):
+        super().__init__(layers=[])
+        self.capacity = int(capacity)
+        self.state: DecodeState | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the prefill has run (later forwards are single-token ``decode_step``s)."""
+        return self.state is not None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Token positions held (prompt columns incl. left padding, then one per decoded token)."""
+        return int(self.state.token_caches[0].len_B.max()) if self.started else 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.started:
+            select_rows(self.state, beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.started:
+            rows = torch.arange(self.state.next_pos_B.shape[0], device=self.state.next_pos_B.device)
+            select_rows(self.state, rows.repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("ConceptCache cannot be cropped: a concept may have completed in the removed tokens")
+
+    def reset(self) -> None:
+        self.state = None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.state.next_pos_B.shape[0]) if self.started else -1
+
+    def __repr__(self) -> str:
+        return f"ConceptCache(capacity={self.capacity}, seq_length={self.get_seq_length()})"
