@@ -70,7 +70,7 @@ def test_save_and_load_round_trip(processor, tmp_path):
     assert "processor_config.json" in files and "tokenizer.json" in files
     assert all(f.endswith(".json") for f in files)  # nothing pickled
     loaded = ConceptMoEVLMProcessor.from_pretrained(str(tmp_path))
-    assert loaded.to_config() == processor.to_config()
+    assert loaded.to_dict() == processor.to_dict()
     a = processor(text=CONV, images=[gray(30)])
     b = loaded(text=CONV, images=[gray(30)])
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
@@ -144,4 +144,4 @@ def test_processor_uses_the_backbone_transform(tmp_path):
     other = ImageTransform(8)
     assert ConceptMoEVLMProcessor.from_pretrained(str(tmp_path / "p"), image_transform=other).image_transform == other
     with pytest.raises(ValueError, match="not both"):
-        ConceptMoEVLMProcessor(tok, 4, other, image_size=16)
+        ConceptMoEVLMProcessor(tok, num_image_tokens=4, image_transform=other, image_size=16)
