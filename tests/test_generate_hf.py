@@ -39,18 +39,17 @@ def grow(mask, mod=None):
 
 
 @torch.no_grad()
-def beam_reference(model, ids, am, n, K, mod=None):
-    """Plain beam search over repeated full forwards: keep the K best continuations of each row by
-    summed log-probability (no eos, so no beam finishes early). Returns the best sequence per row and
-    its summed log-probability."""
+def beam_reference(last_logits, ids, am, n, K, mod=None):
+    """Plain beam search over repeated full forwards (``last_logits(seq, mask, mod)`` -> [B*K, V] at the
+    last position): keep the K best continuations of each row by summed log-probability (no eos, so
+    no beam finishes early). Returns the best sequence per row and its summed log-probability."""
     B = ids.shape[0]
     seq, mask = ids.repeat_interleave(K, 0), am.repeat_interleave(K, 0)
     mod = None if mod is None else mod.repeat_interleave(K, 0)
     score = torch.full((B, K), float("-inf"), device=ids.device)
     score[:, 0] = 0.0
     for _ in range(n):
-        kw = {} if mod is None else {"modality_ids": mod}
-        logp = model(seq, attention_mask=mask, **kw).logits[:, -1].float().log_softmax(-1)
+        logp = last_logits(seq, mask, mod).float().log_softmax(-1)
         V = logp.shape[-1]
         score, flat = (score[..., None] + logp.view(B, K, V)).view(B, K * V).topk(K, dim=-1)
         rows = (torch.arange(B, device=ids.device)[:, None] * K + flat // V).view(-1)
@@ -58,6 +57,12 @@ def beam_reference(model, ids, am, n, K, mod=None):
         mask, mod = grow(mask[rows], None if mod is None else mod[rows])
     best = score.argmax(-1)
     return seq.view(B, K, -1)[torch.arange(B), best], score.max(-1).values
+
+
+def lm_logits(model):
+    def last(seq, mask, mod):
+        return model(seq, attention_mask=mask, **({} if mod is None else {"modality_ids": mod})).logits[:, -1]
+    return last
 
 
 @pytest.mark.parametrize("merge, split", [("last", False), ("sum", False), ("sum", True)])
@@ -71,7 +76,7 @@ def test_beam_search_equals_reference(tiny_model, merge, split):
         mod = torch.full_like(ids, TEXT)
         mod[:, 6:] = IMAGE
     n, K = 10, 3
-    want, want_score = beam_reference(model, ids, am, n, K, mod)
+    want, want_score = beam_reference(lm_logits(model), ids, am, n, K, mod)
     kw = {} if mod is None else {"modality_ids": mod}
     out = model.generate(ids, attention_mask=am, max_new_tokens=n, num_beams=K, do_sample=False,
                          return_dict_in_generate=True, output_scores=True, **kw)
@@ -185,6 +190,21 @@ def test_eos_list_and_generation_config(tiny_model, tmp_path):
     assert loaded.generate(ids, attention_mask=am).shape == (2, T + 5)
 
 
+def test_stop_strings(tiny_model, tmp_path):
+    """``stop_strings`` (with the tokenizer): generation ends at the first generated token that
+    completes the string, the tokens before it unchanged."""
+    from _data_helpers import tiny_tokenizer
+    tok = tiny_tokenizer(str(tmp_path / "tok"), with_specials=False)
+    model = dev(tiny_model("tiny_concept", vocab_size=len(tok)))
+    ids = dev(torch.randint(1, len(tok), (1, 10), generator=torch.Generator().manual_seed(2)))
+    free = model.generate(ids, max_new_tokens=12)
+    texts = [tok.decode(free[0, i:i + 1]) for i in range(10, 22)]
+    k = next(i for i, t in enumerate(texts) if i > 0 and len(t.strip()) > 1 and t.isprintable() and "\ufffd" not in t)
+    out = model.generate(ids, max_new_tokens=12, stop_strings=[texts[k]], tokenizer=tok)
+    assert out.shape[1] <= 10 + k + 1 < free.shape[1] and torch.equal(out[0], free[0, : out.shape[1]])
+    assert tok.decode(out[0, 10:]).endswith(texts[k])
+
+
 def _generation_warnings(fn) -> list[str]:
     """transformers' log records (their warnings are logged once per process: the cache is cleared)."""
     records = []
@@ -239,3 +259,27 @@ def test_unsupported_option_raises_one_line(tiny_model, kw):
         model.generate(ids, attention_mask=am, max_new_tokens=3, **kw)
     msg = str(err.value)
     assert "\n" not in msg and ("not supported" in msg or "cannot be used" in msg), msg
+
+
+def test_vlm_beam_search_and_streamer_with_images():
+    """The VLM: image features spliced into the prompt's embeddings once (the prefill), then the LM's
+    GenerationMixin: beam search (num_beams=2) equals the reference over full VLM forwards (the beams
+    of row 0 carry its two images), the streamer gets the prompt ids then each new token."""
+    from test_vlm_model import build, sample_batch
+    model = build(**{"chunking.concept_merge": "sum"})
+    randomise_joint(model.language_model)
+    fractional(model.language_model, model.projector)
+    model = dev(model)
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    ids, mask = ids[:, :-4], mask[:, :-4]  # row 0 ends on image tokens
+    n, K = 8, 2
+    beam_pixels = torch.cat([pixels] * K)  # only row 0 has images (pixels[0:2]): its K beams come first
+    want, want_score = beam_reference(lambda seq, m, _: model(seq, beam_pixels, m).logits[:, -1], ids, mask, n, K)
+    out = model.generate(ids, pixels, mask, max_new_tokens=n, num_beams=K, return_dict_in_generate=True,
+                         output_scores=True)
+    assert torch.equal(out.sequences, want)
+    torch.testing.assert_close(out.sequences_scores * n, want_score, **tol(1e-4, 1e-4))
+    streamer = Collect()
+    greedy = model.generate(ids, pixels, mask, max_new_tokens=n, streamer=streamer)
+    assert torch.equal(streamer.puts[0], ids.cpu()) and streamer.ended == 1
+    assert torch.equal(torch.stack(streamer.puts[1:], 1), greedy[:, ids.shape[1]:].cpu())

@@ -270,8 +270,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         """Started cache: the last token only (the state knows positions, padding and modality). Fresh
         cache (the prefill): the whole prompt, as ``inputs_embeds`` when given. No cache: the whole
         sequence so far, new tokens being text."""
-        extra = sorted(k for k, v in kwargs.items() if v is not None)
-        if extra:
+        extra = sorted(k for k, v in kwargs.items() if v is not None and k not in ("tokenizer", "assistant_tokenizer"))
+        if extra:  # (the tokenizers are stop_strings' / the loop's, not model inputs)
             raise ValueError(f"ConceptMoE generate: unsupported model inputs {extra}")
         if cache is not None and cache.started:
             return {"input_ids": input_ids[:, -1:], "cache": cache, "logits_to_keep": logits_to_keep}
@@ -280,8 +280,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         if inputs_embeds is not None and cache is not None:
             inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
         if modality_ids is not None:
-            new = input_ids.shape[1] - modality_ids.shape[1] if inputs_embeds is None or cache is None else 0
-            inputs["modality_ids"] = F.pad(modality_ids, (0, max(new, 0)), value=TEXT)
+            new = max(input_ids.shape[1] - modality_ids.shape[1], 0)  # > 0 only without a cache
+            inputs["modality_ids"] = F.pad(modality_ids, (0, new), value=TEXT)
         return inputs
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,

@@ -71,7 +71,12 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel):
 
     @torch.no_grad()
     def generate(self, input_ids=None, pixel_values=None, attention_mask=None, **kwargs):
-        """Prefill the prompt (text and image tokens) then decode text with the compressed cache."""
+        """The image features are spliced into the prompt's embeddings here, once: they are the prefill's
+        ``inputs_embeds`` (a beam or returned sequence is a row of those, so no per-image expansion),
+        then the language model's ``GenerationMixin.generate`` decodes text over the ConceptCache. Every
+        generation option of ``ConceptMoEForCausalLM.generate`` applies (greedy, sampling, beams,
+        streamer, scores, ...); the generation config is ``language_model.generation_config``. Returns
+        the prompt ids followed by the new tokens."""
         embeds, modality_BT = self.embed(input_ids, pixel_values)
         return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
                                             modality_ids=modality_BT, **kwargs)
