@@ -5,6 +5,10 @@ positions they are given (token positions vs concept indices) and in how their c
 token caches advance every step for every row; concept caches advance per row, only when that row
 starts a new concept (`KVCache.step(..., commit_B)`), so they hold one entry per concept.
 
+Packed or padded rows (segment ids, padding) get a `DocLayout` (varlen.py): attention per document
+keyed by its boundaries, no T x T mask. The dense [B, 1, T, T] mask (`causal_mask`) is the
+reference, used everywhere when ``IMPL = "dense"`` (tests compare the two).
+
 Joint decoding (paper section 6) is the optional ``concept_BTD`` input: when the layer was built
 with ``joint=True``, Q/K/V each get an extra zero-initialisable projection of the concept signal.
 """
@@ -17,6 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.config import AttentionConfig
+from vlm.modeling.varlen import DocLayout, doc_attention
+
+IMPL = "varlen"  # "varlen": DocLayout for packed / padded rows | "dense": the T x T reference mask
 
 
 class RMSNorm(nn.Module):
@@ -121,6 +128,19 @@ def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, 
     return mask[:, None]
 
 
+def attention_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
+                   device: torch.device):
+    """What every layer of a stack gets as ``mask``: None (plain causal: no padding, no packing), a
+    `DocLayout` (default) or, with ``IMPL = "dense"``, the reference mask of `causal_mask`."""
+    if valid_BT is None and segment_BT is None:
+        return None
+    if IMPL == "dense":
+        return causal_mask(valid_BT, segment_BT, T, device)
+    if IMPL != "varlen":
+        raise ValueError(f"attention IMPL={IMPL!r}: use 'varlen' or 'dense'")
+    return DocLayout.build(valid_BT, segment_BT)
+
+
 class KVCache:
     """Preallocated cache of one attention layer: k/v [B, H_kv, capacity, D], per-row lengths.
 
@@ -211,7 +231,8 @@ class Attention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, cos_sin, mask=None, cache: KVCache | None = None,
                 concept_BTD: torch.Tensor | None = None, fill=None) -> torch.Tensor:
         """No cache: full causal attention. ``cache`` + ``fill=(valid_BT, len_B)``: full attention
-        over the prompt, then the cache is filled. ``cache`` alone: one decoding step (T = 1)."""
+        over the prompt, then the cache is filled. ``cache`` alone: one decoding step (T = 1).
+        ``mask``: None (causal), a `DocLayout` (per document) or a dense [B, 1, T, T] bool mask."""
         q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.joint and concept_BTD is not None:
             q = q + self.q_c_proj(concept_BTD)
@@ -226,14 +247,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and fill is None:
             k_all, v_all, valid_BS = cache.step(k, v)
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=valid_BS[:, None, None, :],
-                                                 enable_gqa=True)
+            out_BTHD = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=valid_BS[:, None, None, :],
+                                                      enable_gqa=True).transpose(1, 2)
         else:
-            if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            if isinstance(mask, DocLayout):
+                out_BTHD = doc_attention(q, k, v, mask)
+            else:  # None: plain causal; else the dense [B, 1, T, T] mask
+                out_BTHD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                          enable_gqa=True).transpose(1, 2)
             if cache is not None:
                 cache.fill(k, v, *fill)
-        B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        B, T = out_BTHD.shape[:2]
+        return self.o_proj(out_BTHD.reshape(B, T, self.n_heads * self.head_dim))

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from vlm.config import ConceptMoEConfig
-from vlm.modeling.attention import RMSNorm, causal_mask, rope_cos_sin
+from vlm.modeling import attention
+from vlm.modeling.attention import RMSNorm, rope_cos_sin
 from vlm.modeling.blocks import TransformerBlock
 from vlm.modeling.chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
 from vlm.modeling.dechunk import dechunk
@@ -112,7 +113,8 @@ class ConceptMoEModel(nn.Module):
             torch.ones(B, T, dtype=torch.bool, device=x.device)
         if position_ids is None:
             position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
-        mask = causal_mask(valid_BT if has_pad else None, segment_ids, T, x.device)
+        # one mask per stack, shared by its layers: a DocLayout (per document, no T x T) or None
+        mask = attention.attention_mask(valid_BT if has_pad else None, segment_ids, T, x.device)
         mvalid = valid_BT if has_pad else None
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (valid_BT, torch.full((B,), T, dtype=torch.long, device=x.device))
@@ -142,7 +144,8 @@ class ConceptMoEModel(nn.Module):
         con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
         c_in = self.to_concept(con.x_BMD)
         has_cpad = not bool(con.valid_BM.all())
-        cmask = causal_mask(con.valid_BM if has_cpad else None, con.segment_BM, c_in.shape[1], h.device)
+        cmask = attention.attention_mask(con.valid_BM if has_cpad else None, con.segment_BM, c_in.shape[1],
+                                         h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         c = c_in
         cfill = None
