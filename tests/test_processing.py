@@ -145,3 +145,109 @@ def test_processor_uses_the_backbone_transform(tmp_path):
     assert ConceptMoEVLMProcessor.from_pretrained(str(tmp_path / "p"), image_transform=other).image_transform == other
     with pytest.raises(ValueError, match="not both"):
         ConceptMoEVLMProcessor(tok, num_image_tokens=4, image_transform=other, image_size=16)
+
+
+# ----- transformers processor API -------------------------------------------------------------------
+def picture(width, height, seed=0):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("aspect", ["resize", "pad", "anyres"])
+def test_image_processor_pixels_are_the_transforms(aspect, tmp_path):
+    from transformers import AutoImageProcessor
+
+    from data_pipelines.images import ImageTransform
+    from vlm.image_processing import ConceptMoEImageProcessor
+
+    settings = dict(image_size=16, image_mean=[0.1, 0.2, 0.3], image_std=[0.3, 0.2, 0.1], resample="bicubic",
+                    image_aspect=aspect)
+    transform, ip = ImageTransform(**settings), ConceptMoEImageProcessor(**settings)
+    images = [picture(8, 8), picture(40, 16, 1), picture(16, 40, 2).convert("L"), picture(30, 30, 3), picture(13, 9, 4)]
+    expected = torch.cat([transform.views(image) for image in images])
+    assert torch.equal(ip(images)["pixel_values"], expected)
+    assert ip.image_tiles(images) == [transform.num_views(*image.size) for image in images]
+    assert ip.transform == transform and ConceptMoEImageProcessor.from_transform(transform) == ip
+    ip.save_pretrained(str(tmp_path))
+    loaded = AutoImageProcessor.from_pretrained(str(tmp_path))
+    assert type(loaded) is ConceptMoEImageProcessor and loaded == ip
+    assert torch.equal(loaded([images[:2], images[2:]])["pixel_values"], expected)  # nested lists: same order
+
+
+def test_auto_classes_and_saved_files(tmp_path):
+    import json
+
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    from data_pipelines.chat_template import CHAT_TEMPLATE
+    from vlm.image_processing import ConceptMoEImageProcessor
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    processor = ConceptMoEVLMProcessor(tok, num_image_tokens=4, image_size=16, image_aspect="anyres")
+    folder = processor.save_pretrained(str(tmp_path / "p"))
+    saved = json.loads((tmp_path / "p" / "processor_config.json").read_text())
+    assert saved["processor_class"] == "ConceptMoEVLMProcessor" and saved["num_image_tokens"] == 4
+    assert saved["image_processor"] == {**processor.image_transform.settings(),
+                                        "image_processor_type": "ConceptMoEImageProcessor"}
+    assert not os.path.exists(tmp_path / "p" / "chat_template.jinja")  # the tokenizer's template stays inline
+    loaded = AutoProcessor.from_pretrained(folder)
+    assert type(loaded) is ConceptMoEVLMProcessor and loaded.to_dict() == processor.to_dict()
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE and loaded.chat_template == processor.chat_template
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    assert type(image_processor) is ConceptMoEImageProcessor and image_processor == processor.image_processor
+    # an export written before the image processor existed: the image settings flat at the top
+    old = {"processor_class": "ConceptMoEVLMProcessor", "num_image_tokens": 4, **processor.image_transform.settings(),
+           "add_bos": None, "token_ids": saved["token_ids"]}
+    (tmp_path / "p" / "processor_config.json").write_text(json.dumps(old))
+    for cls in (ConceptMoEVLMProcessor, AutoProcessor):
+        assert cls.from_pretrained(folder).to_dict() == processor.to_dict()
+
+
+def test_hf_messages_with_system_turns_and_return_dict(processor):
+    image = gray(0)
+    user = {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What digit is this?"}]}
+    system = {"role": "system", "content": "Be brief."}
+    text = processor.apply_chat_template([system, user])
+    assert text == "<|user|>\nBe brief.\n\n<image>\nWhat digit is this?<|end|>\n<|assistant|>\n"
+    out = processor.apply_chat_template([system, user], add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        return_tensors="pt")
+    expected = processor(text=text, images=[image], chat=False)
+    assert set(out) == {"input_ids", "attention_mask", "pixel_values"}
+    for key in out:
+        assert torch.equal(out[key], expected[key])
+    assert int((out["input_ids"] == processor.image_token_id).sum()) == 4 and out["input_ids"].shape[0] == 1
+    assert torch.equal(processor(text=[system, user], images=image)["input_ids"], out["input_ids"])
+    # without a system turn: the training encoder's prompt, string or list content alike
+    plain = [{"role": "user", "content": "<image>\nWhat digit is this?"}]
+    ids = processor.apply_chat_template(plain, tokenize=True, return_dict=True, images=[image])["input_ids"][0]
+    assert ids.tolist() == processor.chat_tokenizer.encode_prompt(CONV[:1])
+    assert processor.apply_chat_template([user], tokenize=True) == ids.tolist()
+    assert processor.apply_chat_template(CONV) == processor.chat_tokenizer.render(CONV)[0]  # ends with a reply
+    batch = processor.apply_chat_template([[system, user], plain], tokenize=True, return_dict=True, images=[[image], [image]])
+    assert batch["input_ids"].shape[0] == 2 and batch["pixel_values"].shape == (2, 3, 16, 16)
+    assert not batch["attention_mask"][1, 0] and batch["attention_mask"][0].all()  # left padded
+    with pytest.raises(Exception, match="system message must be followed by a user message"):
+        processor.apply_chat_template([user, {"role": "assistant", "content": "7"}, system])
+
+
+@pytest.mark.parametrize("flavour", ["chatml", "llama3"])
+def test_pretrained_llm_template_with_system(flavour, tmp_path):
+    from data_pipelines.llm_tokenizer import prepare_llm_tokenizer
+    from test_llm_tokenizer import CONVERSATION, llm_tokenizer_folder
+
+    tok = AutoTokenizer.from_pretrained(llm_tokenizer_folder(str(tmp_path / "raw"), flavour))
+    prepare_llm_tokenizer(tok)
+    processor = ConceptMoEVLMProcessor(tok, num_image_tokens=3, image_size=16)
+    assert processor.chat_tokenizer.use_model_template and processor.chat_template == tok.chat_template
+    image = gray(40)
+    prompt = processor.apply_chat_template(CONVERSATION[:1], tokenize=True, images=[image])
+    assert prompt == processor.chat_tokenizer.encode_prompt(CONVERSATION[:1])
+    if tok.bos_token_id is not None:
+        assert prompt.count(tok.bos_token_id) == 1
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CONVERSATION[0]["value"]}]
+    text = processor.apply_chat_template(messages)
+    assert "Be brief." in text and "You are a helpful assistant." not in text and text.count("<image>") == 1
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, images=image)
+    assert torch.equal(out["input_ids"], processor(text=messages, images=[image])["input_ids"])
+    loaded = ConceptMoEVLMProcessor.from_pretrained(processor.save_pretrained(str(tmp_path / "p")))
+    assert loaded.chat_template == tok.chat_template and loaded.apply_chat_template(messages) == text
