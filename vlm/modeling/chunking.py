@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.modeling.dechunk import ema_scan, ema_step
+from vlm.modeling.syncs import host_sync
 
 IMAGE, TEXT = 1, 0  # modality ids
 
@@ -39,12 +40,13 @@ def ratio_loss(p_BT: torch.Tensor, b_BT: torch.Tensor, valid_BT: torch.Tensor, R
     G = mean p (un-sharpened, carries the gradient), F = mean b (the sampled boundaries). It is 1
     at F = G = 1/R and pulls both towards 1/R.
     """
-    n = valid_BT.sum()
-    if R <= 1.0 or n == 0:
+    if R <= 1.0:
         return p_BT.sum() * 0.0
-    G = (p_BT * valid_BT).sum() / n
-    F_ = (b_BT.float() * valid_BT).sum().detach() / n
-    return R / (R - 1.0) * ((R - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))
+    n = valid_BT.sum()
+    G = (p_BT * valid_BT).sum() / n.clamp(min=1)
+    F_ = (b_BT.float() * valid_BT).sum().detach() / n.clamp(min=1)
+    loss = R / (R - 1.0) * ((R - 1.0) * F_ * G + (1.0 - F_) * (1.0 - G))
+    return torch.where(n > 0, loss, 0.0)  # no real token: 0 (a where, not an if: no host sync)
 
 
 def _delay(x_BT: torch.Tensor, first) -> torch.Tensor:
@@ -230,28 +232,68 @@ class ChunkModule(nn.Module):
 
     # concepts -----------------------------------------------------------------------------------
     def form_concepts(self, h_BTD, b_BT, p_BT, valid_BT, segment_BT) -> Concepts:
+        """The concept sequence; one host sync (the length M), no boolean indexing. Concept m of a
+        row starts at its (m+1)-th boundary, found by ``searchsorted`` on the running boundary count
+        and read with ``gather``; "sum" adds the tokens into their slots (``index_put`` accumulate,
+        non-member tokens add zeros). ``form_concepts_reference`` is the plain version."""
         B, T, D = h_BTD.shape
-        index_BT = torch.where(valid_BT, b_BT.long().cumsum(1) - 1, torch.full_like(b_BT, -1, dtype=torch.long))
-        count_B = b_BT.sum(1)
-        M = max(int(count_B.max()), 1)
-        rows_BT = torch.arange(B, device=h_BTD.device)[:, None].expand(B, T)
-        x_BMD = h_BTD.new_zeros(B, M, D)
-        if self.cfg.concept_merge == "last":
-            x_BMD = x_BMD.index_put((rows_BT[b_BT], index_BT[b_BT]), h_BTD[b_BT])
-        else:
-            tok = valid_BT & (index_BT >= 0)
-            x_BMD = x_BMD.index_put((rows_BT[tok], index_BT[tok]), h_BTD[tok], accumulate=True)
-        valid_BM = torch.arange(M, device=h_BTD.device)[None] < count_B[:, None]
-        prob_BM = p_BT.new_zeros(B, M).index_put((rows_BT[b_BT], index_BT[b_BT]), p_BT[b_BT])
-        segment_BM = None
+        cum_BT = b_BT.long().cumsum(1)
+        index_BT = torch.where(valid_BT, cum_BT - 1, -1)
+        count_B = cum_BT[:, -1]
+        with host_sync(CONCEPT_SYNC):  # host sync: M, the concept sequence's length, is a shape
+            M = max(int(count_B.max()), 1)
         arange_M = torch.arange(M, device=h_BTD.device)[None].expand(B, M)
+        valid_BM = arange_M < count_B[:, None]
+        start_BM = torch.searchsorted(cum_BT, arange_M + 1).clamp(max=T - 1)  # boundary token of m
+        prob_BM = torch.where(valid_BM, p_BT.gather(1, start_BM), 0.0)
+        if self.cfg.concept_merge == "last":
+            x_BMD = h_BTD.gather(1, start_BM[..., None].expand(B, M, D))
+            x_BMD = torch.where(valid_BM[..., None], x_BMD, 0.0)
+        else:
+            member_BT = valid_BT & (index_BT >= 0)
+            rows_BT = torch.arange(B, device=h_BTD.device)[:, None].expand(B, T)
+            x_BMD = h_BTD.new_zeros(B, M, D).index_put(
+                (rows_BT, index_BT.clamp(min=0)), torch.where(member_BT[..., None], h_BTD, 0.0), accumulate=True)
+        segment_BM = None
         position_BM = arange_M
         if segment_BT is not None:
-            segment_BM = segment_BT.new_zeros(B, M).index_put((rows_BT[b_BT], index_BT[b_BT]), segment_BT[b_BT])
-            starts = segment_BM != F.pad(segment_BM[:, :-1], (1, 0), value=-1)
-            first = torch.where(starts, arange_M, torch.zeros_like(arange_M)).cummax(1).values
-            position_BM = arange_M - first
+            segment_BM = torch.where(valid_BM, segment_BT.gather(1, start_BM), 0)
+            position_BM = concept_positions(segment_BM)
         return Concepts(x_BMD, valid_BM, position_BM, segment_BM, prob_BM, index_BT, count_B)
+
+
+CONCEPT_SYNC = "chunking: the number of concepts M (longest row) is the concept sequence's length"
+
+
+def concept_positions(segment_BM: torch.Tensor) -> torch.Tensor:
+    """0, 1, ... restarting at each change of segment id along the row."""
+    B, M = segment_BM.shape
+    arange_M = torch.arange(M, device=segment_BM.device)[None].expand(B, M)
+    starts = segment_BM != F.pad(segment_BM[:, :-1], (1, 0), value=-1)
+    first = torch.where(starts, arange_M, torch.zeros_like(arange_M)).cummax(1).values
+    return arange_M - first
+
+
+def form_concepts_reference(merge: str, h_BTD, b_BT, p_BT, valid_BT, segment_BT) -> Concepts:
+    """Plain reference of ``ChunkModule.form_concepts`` (boolean-mask indexing: host syncs on CUDA)."""
+    B, T, D = h_BTD.shape
+    index_BT = torch.where(valid_BT, b_BT.long().cumsum(1) - 1, torch.full_like(b_BT, -1, dtype=torch.long))
+    count_B = b_BT.sum(1)
+    M = max(int(count_B.max()), 1)
+    rows_BT = torch.arange(B, device=h_BTD.device)[:, None].expand(B, T)
+    x_BMD = h_BTD.new_zeros(B, M, D)
+    if merge == "last":
+        x_BMD = x_BMD.index_put((rows_BT[b_BT], index_BT[b_BT]), h_BTD[b_BT])
+    else:
+        tok = valid_BT & (index_BT >= 0)
+        x_BMD = x_BMD.index_put((rows_BT[tok], index_BT[tok]), h_BTD[tok], accumulate=True)
+    valid_BM = torch.arange(M, device=h_BTD.device)[None] < count_B[:, None]
+    prob_BM = p_BT.new_zeros(B, M).index_put((rows_BT[b_BT], index_BT[b_BT]), p_BT[b_BT])
+    segment_BM, position_BM = None, torch.arange(M, device=h_BTD.device)[None].expand(B, M)
+    if segment_BT is not None:
+        segment_BM = segment_BT.new_zeros(B, M).index_put((rows_BT[b_BT], index_BT[b_BT]), segment_BT[b_BT])
+        position_BM = concept_positions(segment_BM)
+    return Concepts(x_BMD, valid_BM, position_BM, segment_BM, prob_BM, index_BT, count_B)
 
 
 # achieved ratio R = tokens / concepts ------------------------------------------------------------

@@ -1,11 +1,15 @@
 """Mixture of experts FFN: softmax top-k router, SwiGLU experts, dropless sorted dispatch.
 
 Dispatch ("sorted", the fast path): every (token, expert) assignment is sorted by expert, the
-tokens are gathered into one contiguous buffer, each expert's contiguous segment goes through its
-weights (``torch._grouped_mm`` on CUDA in one kernel; on CPU a segmented loop over ``split``
-views, which does no masking and no padding), and the weighted outputs are scattered back with
-``index_add_``. No token is ever dropped. ``moe_forward_loop`` is the plain per-expert reference
-kept for tests.
+tokens are gathered into one contiguous buffer of N * K rows, each expert's contiguous segment goes
+through its weights in one ``torch._grouped_mm`` per projection, and the weighted outputs are
+scattered back with ``index_add_``. No token is ever dropped, and nothing is read on the host: the
+segment ends (``offs``) stay on the device, and padding is not removed (a data-dependent shape) but
+sorted behind every real assignment as zero rows that the last group multiplies to exact zeros.
+Only where torch has no grouped GEMM (CUDA in fp32 / fp16, a torch without ``_grouped_mm``) the
+segments go through a per-expert loop over ``split`` sizes read on the host (a named host sync, see
+syncs.py). ``MoEFeedForward.forward_loop`` (``moe_dispatch="loop"``) is the plain per-expert
+reference (it removes the padding by boolean indexing), kept for tests.
 
 Losses: switch-style load balancing ``E * sum_e f_e * P_e`` (f = fraction of assignments, P =
 mean router probability) and the router z-loss ``mean(logsumexp(logits)^2)``, both over real
@@ -20,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.config import MoEConfig
+from vlm.modeling.syncs import host_sync
 
 
 @dataclass
@@ -42,22 +47,26 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _grouped_swiglu(x_ND: torch.Tensor, counts: list[int], w_gate_EDI, w_up_EDI, w_down_EID) -> torch.Tensor:
-    """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert)."""
-    if x_ND.is_cuda and hasattr(torch, "_grouped_mm") and x_ND.dtype == torch.bfloat16:
-        offs = torch.tensor(counts, device=x_ND.device).cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x_ND, w_gate_EDI, offs=offs)) * torch._grouped_mm(x_ND, w_up_EDI, offs=offs)
-        return torch._grouped_mm(h, w_down_EID, offs=offs)
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split needs the segment sizes"
+
+
+def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_EDI, w_down_EID) -> torch.Tensor:
+    """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert): expert e takes
+    rows [offs[e-1], offs[e]). ``offs_E`` (int32, on the device) must end at N."""
+    if GROUPED_MM and (not x_ND.is_cuda or x_ND.dtype == torch.bfloat16):
+        h = F.silu(torch._grouped_mm(x_ND, w_gate_EDI, offs=offs_E)) * torch._grouped_mm(x_ND, w_up_EDI, offs=offs_E)
+        return torch._grouped_mm(h, w_down_EID, offs=offs_E)
+    with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints
+        counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
     # unbind, not w[e]: the backward of indexing allocates a zero [E, ...] gradient per expert,
     # unbind's is one stack (3x faster CPU training steps, identical results)
     outs = []
     for x_e, wg, wu, wd in zip(torch.split(x_ND, counts), w_gate_EDI.unbind(0), w_up_EDI.unbind(0),
                                w_down_EID.unbind(0)):
-        if x_e.shape[0] == 0:
-            continue
         h = F.silu(x_e @ wg) * (x_e @ wu)
         outs.append(h @ wd)
-    return torch.cat(outs) if outs else x_ND.new_zeros(0, w_down_EID.shape[-1])
+    return torch.cat(outs)
 
 
 class MoEFeedForward(nn.Module):
@@ -88,13 +97,23 @@ class MoEFeedForward(nn.Module):
             weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True)
         return logits_NE, probs_NE, weights_NK, experts_NK
 
-    def experts_sorted(self, x_ND, weights_NK, experts_NK) -> tuple[torch.Tensor, torch.Tensor]:
+    def experts_sorted(self, x_ND, weights_NK, experts_NK, keep_N=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dropless grouped dispatch; no host sync. ``keep_N`` (optional, bool): the real tokens;
+        the others are sorted last, enter the last group as zero rows and count for no expert."""
         N, K = experts_NK.shape
+        E = self.num_experts
         flat_e = experts_NK.reshape(-1)
-        order = flat_e.argsort(stable=True)
+        if keep_N is not None:  # padding goes behind every expert (id E) and contributes zeros
+            flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, E)
+        sorted_e, order = flat_e.sort(stable=True)
         token_idx = order // K
-        counts_E = torch.bincount(flat_e, minlength=self.num_experts)
-        y_sorted = _grouped_swiglu(x_ND[token_idx], counts_E.tolist(), self.w_gate, self.w_up, self.w_down)
+        ends_E = torch.searchsorted(sorted_e, torch.arange(E, device=flat_e.device), right=True)
+        counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+        offs_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), N * K)]).to(torch.int32)
+        x_sorted = x_ND[token_idx]
+        if keep_N is not None:
+            x_sorted = torch.where((sorted_e < E)[:, None], x_sorted, 0.0)
+        y_sorted = grouped_swiglu(x_sorted, offs_E, self.w_gate, self.w_up, self.w_down)
         y_sorted = y_sorted * weights_NK.reshape(-1)[order, None].to(y_sorted.dtype)
         out = x_ND.new_zeros(N, x_ND.shape[-1])
         out.index_add_(0, token_idx, y_sorted.to(out.dtype))
@@ -113,29 +132,56 @@ class MoEFeedForward(nn.Module):
         return out, torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
 
     def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
+        """Outputs [B, T, D] (zero at padding) and the stats; padding (``valid_BT`` False) never
+        reaches the experts, the stats or the losses. No host sync (see ``experts_sorted``)."""
+        if self.dispatch == "loop":
+            return self.forward_loop(x_BTD, valid_BT)
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        keep_N = None if valid_BT is None else valid_BT.reshape(-1).bool()
+        logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
+        y_ND, counts_E = self.experts_sorted(x_ND, weights_NK, experts_NK, keep_N)
+        y_ND = self._add_shared(x_ND, y_ND)
+        if keep_N is not None:
+            y_ND = torch.where(keep_N[:, None], y_ND, 0.0)
+        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N)
+
+    def forward_loop(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
+        """Reference: the padding removed by boolean indexing, then ``experts_loop`` (tests only)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         keep = None if valid_BT is None else valid_BT.reshape(-1).bool()
-        if keep is not None and not bool(keep.all()):
-            x_ND = x_ND[keep]  # padding never reaches the experts, the stats or the losses
+        if keep is not None:
+            x_ND = x_ND[keep]
         logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
-        run = self.experts_loop if self.dispatch == "loop" else self.experts_sorted
-        y_ND, counts_E = run(x_ND, weights_NK, experts_NK)
-        if self.shared is not None:
-            shared_ND = self.shared(x_ND)
-            if self.shared_gate is not None:
-                shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
-            y_ND = y_ND + shared_ND
-        if keep is not None and x_ND.shape[0] != B * T:
+        y_ND, counts_E = self.experts_loop(x_ND, weights_NK, experts_NK)
+        y_ND = self._add_shared(x_ND, y_ND)
+        if keep is not None:
             y_ND = x_BTD.new_zeros(B * T, D).index_put((keep.nonzero()[:, 0],), y_ND)
-        stats = self.losses(logits_NE, probs_NE, counts_E)
-        return y_ND.view(B, T, D), stats
+        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E)
 
-    def losses(self, logits_NE, probs_NE, counts_E) -> MoEStats:
-        n = max(probs_NE.shape[0], 1)
+    def _add_shared(self, x_ND, y_ND):
+        if self.shared is None:
+            return y_ND
+        shared_ND = self.shared(x_ND)
+        if self.shared_gate is not None:
+            shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
+        return y_ND + shared_ND
+
+    def losses(self, logits_NE, probs_NE, counts_E, keep_N=None) -> MoEStats:
+        """Over the real tokens: all rows, or those in ``keep_N`` (means as masked sums over a count
+        that stays on the device)."""
+        lse_N = torch.logsumexp(logits_NE, -1)
+        if keep_N is None:
+            n = max(probs_NE.shape[0], 1)
+            p_E = probs_NE.sum(0) / n
+            z = lse_N.pow(2).sum() / n
+        else:
+            n = keep_N.sum().clamp(min=1)
+            p_E = torch.where(keep_N[:, None], probs_NE, 0.0).sum(0) / n
+            z = torch.where(keep_N, lse_N.pow(2), 0.0).sum() / n
         frac_E = counts_E.float() / (n * self.top_k)
-        lb = self.num_experts * (frac_E * probs_NE.mean(0)).sum() if probs_NE.shape[0] else probs_NE.sum()
-        z = torch.logsumexp(logits_NE, -1).pow(2).mean() if logits_NE.shape[0] else logits_NE.sum()
+        lb = self.num_experts * (frac_E * p_E).sum()
         return MoEStats(lb_loss=lb, z_loss=z, tokens_per_expert=counts_E.detach())
 
 
