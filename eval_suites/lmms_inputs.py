@@ -78,3 +78,55 @@ def build_prompt(context: str, num_images: int) -> str:
     if placed != num_images:
         raise ValueError(f"prompt has {placed} {IMAGE_PLACEHOLDER} placeholders but the doc has {num_images} images")
     return context
+
+
+def messages_to_conversation(messages) -> tuple[list[dict], list]:
+    """lmms-eval chat messages (``doc_to_messages``) -> (our conversation, its PIL images in order).
+
+    Each turn's content parts become one text: an image part is ``<image>`` on its own line at its
+    place, text parts are kept as they are; consecutive parts are joined by a newline and the turn
+    loses trailing whitespace. So the usual ``[image, text]`` user turn gives
+    ``<image>\\n{text}``, the same user turn as the simple interface. A system message is put in
+    front of the next user turn (our chat format has no system role); video/audio are refused.
+    """
+    from PIL import Image
+
+    conversation, images, system = [], [], []
+    for message in messages or []:
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"conceptmoe_vlm: chat message role must be system/user/assistant, got {role!r}")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        pieces = []
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if part.get("text"):
+                    pieces.append(str(part["text"]))
+            elif kind == "image":
+                url = part.get("url", part.get("image"))
+                if isinstance(url, str):
+                    url = Image.open(url)
+                if not isinstance(url, Image.Image):
+                    raise TypeError(f"conceptmoe_vlm: unsupported image of type {type(url).__name__}")
+                images.append(url)
+                pieces.append(IMAGE_PLACEHOLDER)
+            elif kind in ("video", "audio"):
+                raise NotImplementedError(f"conceptmoe_vlm takes images only; got a {kind} message part")
+            else:
+                raise ValueError(f"conceptmoe_vlm: unknown chat content part {kind!r}")
+        text = "\n".join(pieces).rstrip()
+        if role == "system":
+            system.append(text)
+            continue
+        if role == "user" and system:
+            text = "\n".join(system + [text])
+            system = []
+        conversation.append({"role": role, "content": text})
+    if not conversation or conversation[-1]["role"] != "user":
+        raise ValueError("conceptmoe_vlm: chat messages must end with a user turn")
+    placed = sum(turn["content"].count(IMAGE_PLACEHOLDER) for turn in conversation)
+    if placed != len(images):
+        raise ValueError(f"chat messages hold {placed} {IMAGE_PLACEHOLDER} placeholders but {len(images)} images")
+    return conversation, images

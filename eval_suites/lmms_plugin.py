@@ -54,6 +54,7 @@ from eval_suites.lmms_inputs import (  # noqa: E402
     build_prompt,
     check_checkpoint_dir,
     flatten_visuals,
+    messages_to_conversation,
     resolve_device,
     resolve_dtype,
 )
@@ -74,13 +75,24 @@ def register() -> bool:
 
 
 class ConceptMoEVLMEval(lmms):
-    """lmms-eval ``simple`` model (context string + doc_to_visual) for ConceptMoE-VL checkpoints."""
+    """lmms-eval model for ConceptMoE-VL checkpoints: the ``simple`` interface (context string +
+    ``doc_to_visual``; every output type) by default, the ``chat`` one with ``interface=chat``.
+
+    With ``interface=chat`` the instance reports ``is_simple = False``: lmms-eval then builds its
+    tasks as message tasks and every generation request carries ``doc_to_messages`` (the task's own,
+    e.g. MMMU's interleaved images, or lmms-eval's ``[images..., text]`` default). lmms-eval 0.7
+    builds only generation requests that way, so loglikelihood / multiple_choice tasks need the
+    default simple interface. ``generate_until`` answers both request shapes either way.
+    """
 
     is_simple = True
 
     def __init__(self, pretrained="runs/train-vlm/hf", processor=None, device=None, dtype="float32",
-                 batch_size=1, max_new_tokens=32, score_end_token=True, **kwargs) -> None:
+                 batch_size=1, max_new_tokens=32, score_end_token=True, interface="simple", **kwargs) -> None:
         super().__init__()
+        if str(interface).strip().lower() not in ("simple", "chat"):
+            raise ValueError(f"conceptmoe_vlm: interface must be simple or chat, got {interface!r}")
+        self.is_simple = str(interface).strip().lower() == "simple"
 
         import vlm  # noqa: F401  (registers the Auto classes)
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
@@ -175,10 +187,7 @@ class ConceptMoEVLMEval(lmms):
 
         prepared = []
         for index, req in enumerate(requests):
-            context, gen_kwargs, doc_to_visual, doc_id, task, split = req.args
-            images = self._visuals(doc_to_visual, task, split, doc_id)
-            prompt_ids = self.chat.encode_prompt(self.user_turn(context, len(images)),
-                                                 image_tiles=self.processor.image_tiles(images))
+            prompt_ids, images, gen_kwargs = self._generation_input(req.args)
             key = json.dumps(gen_kwargs or {}, sort_keys=True, default=str)
             prepared.append((key, -len(prompt_ids), index, prompt_ids, images, dict(gen_kwargs or {})))
         prepared.sort(key=lambda p: (p[0], p[1], p[2]))  # group by gen_kwargs, longest first
@@ -198,6 +207,20 @@ class ConceptMoEVLMEval(lmms):
             start = stop
         pbar.close()
         return results
+
+    def _generation_input(self, args) -> tuple[list[int], list, dict]:
+        """(prompt ids, images, gen_kwargs) of a generation request of either interface:
+        simple ``(context, gen_kwargs, doc_to_visual, doc_id, task, split)`` or chat
+        ``(context, doc_to_messages, gen_kwargs, doc_id, task, split)``."""
+        if len(args) == 6 and callable(args[1]) and not isinstance(args[1], dict):
+            _context, doc_to_messages, gen_kwargs, doc_id, task, split = args
+            conversation, images = messages_to_conversation(doc_to_messages(self._doc(task, split, doc_id)))
+            prompt = conversation
+        else:
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = args
+            images = self._visuals(doc_to_visual, task, split, doc_id)
+            prompt = self.user_turn(context, len(images))
+        return self.chat.encode_prompt(prompt, image_tiles=self.processor.image_tiles(images)), images, gen_kwargs
 
     def generate_batch(self, prompt_ids: list[list[int]], images: list[list], gen_kwargs: dict) -> list[str]:
         """Greedy / sampled continuations for already tokenised prompts (left-padded batch)."""
