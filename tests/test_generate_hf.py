@@ -167,6 +167,22 @@ def test_streamer_and_return_dict(tiny_model):
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, T - 1:-1], **tol(1e-4, 1e-4))
 
 
+def test_continue_from_returned_cache(tiny_model):
+    """``cache=out.cache`` with ``out.sequences`` continues exactly (the last token is fed); any other
+    input length is refused in one line."""
+    model = lm(tiny_model)
+    ids, am = left_padded()
+    whole = model.generate(ids, attention_mask=am, max_new_tokens=10)
+    first = model.generate(ids, attention_mask=am, max_new_tokens=6, return_dict_in_generate=True)
+    mask = torch.cat([am, torch.ones_like(am[:, :6])], 1)
+    rest = model.generate(first.sequences, attention_mask=mask, cache=first.cache, max_new_tokens=4)
+    assert torch.equal(rest, whole)
+    with pytest.raises(ValueError, match="continues"):
+        short = rest[:, :-3]  # the cache holds ids + 9 tokens now: 8 + one new would be wrong
+        model.generate(short, attention_mask=torch.cat([am, torch.ones_like(am[:, :7])], 1), cache=first.cache,
+                       max_new_tokens=2)
+
+
 def test_eos_list_and_generation_config(tiny_model, tmp_path):
     """Defaults come from the config's special ids; a list of eos ids stops each row at its first one;
     the generation config is saved with the model and used by generate after loading."""

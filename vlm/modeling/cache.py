@@ -89,6 +89,18 @@ class ConceptCache(Cache):
             rows = torch.arange(self.state.next_pos_B.shape[0], device=self.state.next_pos_B.device)
             select_rows(self.state, rows.repeat_interleave(repeats))
 
+    def ensure_capacity(self, capacity: int) -> None:
+        """Room for ``capacity`` token positions (a continued generation): KV slots are appended, empty."""
+        if capacity <= self.capacity:
+            return
+        if self.started:
+            for kv in self.state.token_caches + self.state.concept_caches:
+                extra = capacity - kv.capacity
+                kv.k = torch.cat([kv.k, kv.k.new_zeros(*kv.k.shape[:2], extra, kv.k.shape[3])], 2)
+                kv.v = torch.cat([kv.v, kv.v.new_zeros(*kv.v.shape[:2], extra, kv.v.shape[3])], 2)
+                kv.valid_BC = torch.cat([kv.valid_BC, kv.valid_BC.new_zeros(kv.valid_BC.shape[0], extra)], 1)
+        self.capacity = int(capacity)
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
             raise ValueError("ConceptCache cannot be cropped: a concept may have completed in the removed tokens")

@@ -254,12 +254,14 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length) -> None:
-        """A fresh ``ConceptCache`` sized for prompt + new tokens (a given one must be a ConceptCache)."""
+        """A fresh ``ConceptCache`` sized for prompt + new tokens; a given one must be a ConceptCache (it
+        grows to that size: a continued generation)."""
         given = model_kwargs.get("cache")
         if given is not None:
             if not isinstance(given, ConceptCache):
                 raise ValueError(f"ConceptMoE generate: a {type(given).__name__} cache is not supported: pass a "
                                  "ConceptCache (vlm/modeling/cache.py) or none")
+            given.ensure_capacity(max_cache_length + 1)
             return
         if generation_config.use_cache is not False:
             model_kwargs["cache"] = ConceptCache(max_cache_length + 1)
@@ -274,6 +276,11 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         if extra:  # (the tokenizers are stop_strings' / the loop's, not model inputs)
             raise ValueError(f"ConceptMoE generate: unsupported model inputs {extra}")
         if cache is not None and cache.started:
+            if is_first_iteration and (input_ids.shape[0] != cache.batch_size or
+                                       input_ids.shape[1] != cache.get_seq_length() + 1):
+                raise ValueError(f"ConceptMoE generate: a started ConceptCache continues [{cache.batch_size}, "
+                                 f"{cache.get_seq_length() + 1}] ids (its sequences + one token), "
+                                 f"got {list(input_ids.shape)}")
             return {"input_ids": input_ids[:, -1:], "cache": cache, "logits_to_keep": logits_to_keep}
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "cache": cache, "logits_to_keep": logits_to_keep}

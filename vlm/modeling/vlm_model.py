@@ -75,11 +75,16 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel):
         ``inputs_embeds`` (a beam or returned sequence is a row of those, so no per-image expansion),
         then the language model's ``GenerationMixin.generate`` decodes text over the ConceptCache. Every
         generation option of ``ConceptMoEForCausalLM.generate`` applies (greedy, sampling, beams,
-        streamer, scores, ...); the generation config is ``language_model.generation_config``. Returns
-        the prompt ids followed by the new tokens."""
-        embeds, modality_BT = self.embed(input_ids, pixel_values)
-        return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
-                                            modality_ids=modality_BT, **kwargs)
+        streamer, scores, ...); the generation config is ``language_model.generation_config``. Runs in
+        eval mode (then back to the previous mode); returns the prompt ids followed by the new tokens."""
+        was_training = self.training
+        self.eval()
+        try:
+            embeds, modality_BT = self.embed(input_ids, pixel_values)
+            return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds,
+                                                attention_mask=attention_mask, modality_ids=modality_BT, **kwargs)
+        finally:
+            self.train(was_training)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """The vision weights travel inside the checkpoint, so the saved config points at no file."""
