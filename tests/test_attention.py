@@ -10,6 +10,7 @@ import torch
 
 from vlm.config import AttentionConfig
 from vlm.modeling.attention import (Attention, KVCache, RMSNorm, apply_rope, causal_mask, rope_cos_sin)
+from vlm.modeling.varlen import DocLayout
 
 from _device import DEVICE, dev, require_test_device, tol  # noqa: E402, F401
 
@@ -97,8 +98,9 @@ def test_causal_mask_semantics():
     assert torch.equal(m[0, 0], dev(torch.eye(3, dtype=torch.bool)))
 
 
+@pytest.mark.parametrize("impl", ["dense", "varlen"])
 @pytest.mark.parametrize("case", ["causal", "padded", "packed"])
-def test_gqa_matches_manual_repeat_kv(case):
+def test_gqa_matches_manual_repeat_kv(case, impl):
     attn = make_attn()
     B, T = 2, 7
     x = torch.randn(B, T, CFG.hidden_size)
@@ -114,7 +116,11 @@ def test_gqa_matches_manual_repeat_kv(case):
     x, valid, seg, pos = dev(x, valid, seg, pos)
     mask = causal_mask(valid if case == "padded" else None, seg, T, x.device)
     allowed = dev(torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)) if mask is None else mask[:, 0]
-    out = attn(x, rope_cos_sin(pos, attn.head_dim, CFG.rope_theta, x.dtype), mask=mask)
+    if impl == "varlen" and mask is not None:  # the per-document path, against the same reference
+        mask_or_layout = DocLayout.build(valid if case == "padded" else None, seg)
+    else:
+        mask_or_layout = mask
+    out = attn(x, rope_cos_sin(pos, attn.head_dim, CFG.rope_theta, x.dtype), mask=mask_or_layout)
     ref = manual_attention(attn, x, pos, allowed)
     rows = valid  # padding query rows are irrelevant (they only see themselves)
     torch.testing.assert_close(out[rows], ref[rows], **tol(1e-5, 1e-5))
@@ -134,8 +140,10 @@ def test_joint_projections():
     torch.testing.assert_close(attn(x, cs, concept_BTD=c), attn(x, cs))
 
 
-def test_cached_decoding_matches_full_attention():
-    """Prefill a left-padded prompt into the cache, then step token by token: same outputs."""
+@pytest.mark.parametrize("impl", ["dense", "varlen"])
+def test_cached_decoding_matches_full_attention(impl):
+    """Prefill a left-padded prompt into the cache (dense mask or DocLayout), then step token by
+    token: same outputs as the full forward with the dense mask."""
     attn = make_attn()
     B, T, P = 2, 9, 5
     x = torch.randn(B, T, CFG.hidden_size)
@@ -147,7 +155,8 @@ def test_cached_decoding_matches_full_attention():
                 mask=causal_mask(valid, None, T, x.device))
     cache = KVCache(B, attn.n_kv, T + 1, attn.head_dim, x.device, x.dtype)
     outs = [attn(x[:, :P], rope_cos_sin(pos[:, :P], attn.head_dim, CFG.rope_theta, x.dtype),
-                 mask=causal_mask(valid[:, :P], None, P, x.device), cache=cache,
+                 mask=causal_mask(valid[:, :P], None, P, x.device) if impl == "dense" else
+                 DocLayout.build(valid[:, :P], None), cache=cache,
                  fill=(valid[:, :P], torch.full((B,), P, device=DEVICE)))]
     assert cache.num_entries().tolist() == [P - 2, P]
     for t in range(P, T):
