@@ -3,8 +3,9 @@
 A `DocLayout` is built once per forward and per stack (tokens, concepts) from ``valid_BT`` and
 ``segment_BT`` and handed to every layer in place of the dense mask. A document is every valid
 token of one row with one segment id, in row order; every padding token is a document of its own
-(it sees only itself). That is exactly what the dense reference mask
-(``attention.causal_mask``) allows, also for segment ids that are not contiguous in a row.
+(it sees only itself). For every valid query that is exactly what the dense reference mask
+(``attention.causal_mask``) allows, also for segment ids that are not contiguous in a row; a
+padding query there also sees the earlier valid keys of its segment (its output is unused).
 
 Two kernels, chosen per call (``doc_attention``):
 
