@@ -87,26 +87,48 @@ def test_beam_search_equals_reference(tiny_model, merge, split):
                        want)
 
 
+@torch.no_grad()
+def sample_reference(model, ids, am, n, procs, seed):
+    torch.manual_seed(seed)
+    seq, mask = ids, am
+    for _ in range(n):
+        scores = procs(seq, model(seq, attention_mask=mask).logits[:, -1].float())
+        seq = torch.cat([seq, torch.multinomial(scores.softmax(-1), 1)], 1)
+        mask, _ = grow(mask)
+    return seq
+
+
 def test_seeded_sampling_equals_full_forwards(tiny_model):
     """Same seed, same logits processors (transformers' order): identical tokens to sampling over
-    repeated full forwards."""
+    repeated full forwards; also with num_return_sequences=2 (rows repeated before the prefill)."""
     model = lm(tiny_model)
     ids, am = left_padded()
     n = 16
     procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8),
                                  TopKLogitsWarper(50), TopPLogitsWarper(0.9)])
+    kw = dict(max_new_tokens=n, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.3)
+    want = sample_reference(model, ids, am, n, procs, seed=3)
     torch.manual_seed(3)
-    seq, mask = ids, am
-    with torch.no_grad():
-        for _ in range(n):
-            scores = procs(seq, model(seq, attention_mask=mask).logits[:, -1].float())
-            seq = torch.cat([seq, torch.multinomial(scores.softmax(-1), 1)], 1)
-            mask, _ = grow(mask)
-    torch.manual_seed(3)
-    out = model.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=True, temperature=0.8, top_k=50,
-                         top_p=0.9, repetition_penalty=1.3)
-    assert torch.equal(out, seq)
+    out = model.generate(ids, attention_mask=am, **kw)
+    assert torch.equal(out, want)
     assert not torch.equal(out, model.generate(ids, attention_mask=am, max_new_tokens=n))
+    want = sample_reference(model, ids.repeat_interleave(2, 0), am.repeat_interleave(2, 0), n, procs, seed=4)
+    torch.manual_seed(4)
+    out = model.generate(ids, attention_mask=am, num_return_sequences=2, **kw)
+    assert torch.equal(out, want) and not torch.equal(out[0], out[1])
+
+
+def test_beam_sample_cached_equals_uncached(tiny_model):
+    """Beam sampling (num_beams=3, do_sample): the same seed gives the same sequences with the concept
+    cache as with repeated full forwards (use_cache=False), so the reordered cache is exact there too."""
+    model = lm(tiny_model, "last")
+    ids, am = left_padded()
+    kw = dict(max_new_tokens=8, num_beams=3, do_sample=True, temperature=1.5)
+    torch.manual_seed(5)
+    cached = model.generate(ids, attention_mask=am, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(cached, model.generate(ids, attention_mask=am, use_cache=False, **kw))
+    assert not torch.equal(cached, model.generate(ids, attention_mask=am, max_new_tokens=8, num_beams=3))
 
 
 def test_cache_reorder_selects_every_tensor(tiny_model):
