@@ -226,6 +226,10 @@ def test_hf_messages_with_system_turns_and_return_dict(processor):
     batch = processor.apply_chat_template([[system, user], plain], tokenize=True, return_dict=True, images=[[image], [image]])
     assert batch["input_ids"].shape[0] == 2 and batch["pixel_values"].shape == (2, 3, 16, 16)
     assert not batch["attention_mask"][1, 0] and batch["attention_mask"][0].all()  # left padded
+    rows = processor.apply_chat_template([[system, user], plain], tokenize=True, images=[[image], [image]])
+    assert rows == [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    text_only = processor.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)
+    assert text_only["input_ids"].shape[0] == 1 and text_only["pixel_values"] is None  # tensors, as with images
     with pytest.raises(Exception, match="system message must be followed by a user message"):
         processor.apply_chat_template([user, {"role": "assistant", "content": "7"}, system])
 

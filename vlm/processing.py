@@ -156,6 +156,8 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
             images = list(found) if batched else found[0]
         elif images is not None and not isinstance(images, (list, tuple)):
             images = [images]
+        flat_ids = not return_dict and return_tensors in ("auto", None)  # a tokenizer's answer: lists
+        tensors = None if flat_ids else "pt" if return_tensors == "auto" else return_tensors
         if not tokenize or images is None:
             text = super().apply_chat_template(messages, tokenize=False, **render)
             if not tokenize:
@@ -163,18 +165,18 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
             texts = text if batched else [text]
             if self.image_processor.image_aspect == "anyres" and any(IMAGE_TOKEN in t for t in texts):
                 raise ValueError("image_aspect 'anyres': pass images= to tokenize (views per <image> depend on its size)")
-            out = self._batch(self._encode_prompts(texts, None), None, None if return_tensors == "auto" else return_tensors)
+            out = self._batch(self._encode_prompts(texts, None), None, tensors,
+                              (processor_kwargs or {}).get("padding_side", "left"))
         else:
-            flat_ids = not return_dict and return_tensors in ("auto", None)
-            call_kwargs = {**(processor_kwargs or {}), "images": images, "chat": False}
-            if return_tensors != "auto" or flat_ids:
-                call_kwargs["return_tensors"] = None if flat_ids else return_tensors
+            call_kwargs = {**(processor_kwargs or {}), "images": images, "chat": False, "return_tensors": tensors}
             out = super().apply_chat_template(messages, tokenize=True, return_dict=True,
                                               processor_kwargs=call_kwargs, **render)
         if return_dict:
             return out
-        ids = out["input_ids"]
-        return ids[0] if not batched and isinstance(ids, list) else ids
+        if not flat_ids:
+            return out["input_ids"]
+        rows = [[i for i, keep in zip(row, mask) if keep] for row, mask in zip(out["input_ids"], out["attention_mask"])]
+        return rows if batched else rows[0]
 
     def _encode_prompts(self, texts, tiles: list[int] | None) -> list[list[int]]:
         """Token ids of rendered prompts (BOS if any), the i-th `<image>` (row-major) expanded to tiles[i]
@@ -279,7 +281,7 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
         if "num_image_tokens" not in processor_dict:
             raise FileNotFoundError(f"no {PROCESSOR_CONFIG} with num_image_tokens in {pretrained_model_name_or_path} "
                                     "(export the processor with the model)")
-        own = {"image_processor", "num_image_tokens", "add_bos", "chat_template", *IMAGE_SETTINGS}
+        own = {"image_processor", "image_transform", "num_image_tokens", "add_bos", "chat_template", *IMAGE_SETTINGS}
         kwargs = {k: v for k, v in kwargs.items() if k not in own}
         subfolder = kwargs.pop("subfolder", "")
         tokenizer = cls._load_tokenizer_from_pretrained("tokenizer", pretrained_model_name_or_path,
