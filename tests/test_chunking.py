@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from vlm.config import ChunkingConfig
-from vlm.modeling.chunking import (IMAGE, TEXT, ChunkModule, boundary_prob, forced_boundaries, ratio_loss,
-                                   sharpen)
+from vlm.modeling.chunking import (IMAGE, TEXT, ChunkModule, boundary_prob, forced_boundaries,
+                                   form_concepts_reference, ratio_loss, sharpen)
 
-from _device import DEVICE, dev, require_test_device  # noqa: E402, F401
+from _device import DEVICE, dev, require_test_device, tol  # noqa: E402, F401
 
 D = 16
 
@@ -150,6 +150,8 @@ def test_ratio_loss_pooled_over_real_tokens_only():
     per_row = torch.stack([ratio_loss(p[i:i + 1], b[i:i + 1], valid[i:i + 1], R) for i in range(2)]).mean()
     assert not torch.allclose(per_row, base)
     assert ratio_loss(p, b, valid, 1.0).item() == 0.0  # R = 1: no compression, no loss
+    none = ratio_loss(p.requires_grad_(), b, valid & False, R)  # no real token: 0 (a where, no branch)
+    assert none.item() == 0.0 and torch.autograd.grad(none, p)[0].abs().sum() == 0
 
 
 @pytest.mark.device
@@ -291,6 +293,45 @@ def test_form_concepts_right_pads_short_rows():
     assert con.valid_BM.tolist() == [[True, False, False], [True, True, True]]
     assert torch.equal(con.x_BMD[0, 1:], dev(torch.zeros(2, D)))
     assert con.segment_BM is None and con.position_BM.tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("merge", ["last", "sum"])
+@pytest.mark.parametrize("segments", [False, True])
+def test_form_concepts_equals_reference_forward_and_grads(merge, segments):
+    """The sync-free concept formation (searchsorted + gather / accumulate) == the boolean-indexing
+    reference, fp32 forward (every field, bit for bit) and the gradients to h and p; left and right
+    padding, an empty row, a row that is all boundaries, packed segments."""
+    ch = dev(chunker(concept_merge=merge))
+    B, T = 4, 13
+    g = torch.Generator().manual_seed(3)
+    h = dev(torch.randn(B, T, D, generator=g))
+    p = dev(torch.rand(B, T, generator=g))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :4] = False
+    valid[1, -3:] = False
+    valid[2] = False
+    b = (torch.rand(B, T, generator=g) > 0.6) | (torch.arange(T) == 4)
+    b[3] = True
+    seg = (torch.arange(T) >= 7).long()[None].expand(B, T).contiguous() if segments else None
+    valid, b, seg = dev(valid, b & valid, seg)
+    outs = []
+    for form in (ch.form_concepts, lambda *a: form_concepts_reference(merge, *a)):
+        hi, pi = h.clone().requires_grad_(), p.clone().requires_grad_()
+        con = form(hi, b, pi, valid, seg)
+        w = dev(torch.randn(con.x_BMD.shape, generator=torch.Generator().manual_seed(1)))
+        grads = torch.autograd.grad((con.x_BMD * w).sum() + (con.prob_BM ** 2).sum(), [hi, pi])
+        outs.append((con, grads))
+    (c1, g1), (c2, g2) = outs
+    for field in ("valid_BM", "position_BM", "segment_BM", "prob_BM", "index_BT", "count_B"):
+        a, r = getattr(c1, field), getattr(c2, field)
+        assert (a is None and r is None) or torch.equal(a, r), field
+    # exact on the CPU; on CUDA "sum" may add the same tokens in another order
+    torch.testing.assert_close(c1.x_BMD, c2.x_BMD, **tol(0, 0))
+    assert c1.count_B.tolist()[2] == 0 and c1.count_B.tolist()[3] == T
+    for name, a, r in zip(["h", "p"], g1, g2):
+        assert a.abs().sum() > 0, name
+        torch.testing.assert_close(a, r, **tol(0, 0), msg=name)
 
 
 # short training run -------------------------------------------------------------------------------

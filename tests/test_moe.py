@@ -1,7 +1,7 @@
 """vlm/modeling/moe.py: dropless sorted dispatch vs the per-expert loop, stats, padding.
 
 Every test runs on ``VLM_TEST_DEVICE`` (fp32; see tests/_device.py); on CUDA the bf16 sorted dispatch
-(``torch._grouped_mm``) is also checked against the fp32 loop."""
+(``torch._grouped_mm``) is also checked against the fp32 loop. Host syncs: tests/test_host_syncs.py."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from vlm.config import MoEConfig
-from vlm.modeling.moe import MoEFeedForward, init_moe_weights
+from vlm.modeling import moe as moe_mod
+from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, init_moe_weights
+from vlm.modeling.syncs import counting
 
 from _device import DEVICE, cuda_only, dev, require_test_device, tol  # noqa: E402, F401
 
@@ -158,6 +160,48 @@ def test_model_level_dispatch_equivalence(tiny_model):
     sorted_m, loop_m = dev(sorted_m, loop_m)
     ids = dev(torch.randint(1, 2048, (2, 12)))
     torch.testing.assert_close(sorted_m(ids).logits, loop_m(ids).logits, **tol(1e-5, 1e-5))
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 3, 9, 0, 1], [0, 0, 0, 0, 0, 18], [18, 0, 0, 0, 0, 0]],
+                         ids=["mixed", "all-last", "all-first"])
+def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes):
+    """The device-offset grouped path (``torch._grouped_mm``; a C++ loop on the CPU) == the split loop
+    over host-read segment sizes (the fallback where no grouped GEMM exists, one named host sync),
+    fp32 forward and backward (input and the three expert stacks), empty segments included."""
+    E, I = len(sizes), 24
+    g = torch.Generator().manual_seed(0)
+    x = dev(torch.randn(sum(sizes), D, generator=g))
+    ws = [dev(torch.randn(E, D, I, generator=g) * 0.2), dev(torch.randn(E, D, I, generator=g) * 0.2),
+          dev(torch.randn(E, I, D, generator=g) * 0.2)]
+    offs = dev(torch.tensor(sizes).cumsum(0).to(torch.int32))
+    g_out = dev(torch.randn(sum(sizes), D, generator=g))
+    outs = []
+    for grouped in (True, False):
+        monkeypatch.setattr(moe_mod, "GROUPED_MM", grouped)
+        leaves = [t.clone().requires_grad_() for t in [x] + ws]
+        with counting() as named:
+            y = grouped_swiglu(leaves[0], offs, *leaves[1:])
+            grads = torch.autograd.grad((y * g_out).sum(), leaves)
+        assert named == ({} if grouped else {moe_mod.SPLIT_SYNC: 1})
+        outs.append((y, grads))
+    (y1, g1), (y2, g2) = outs
+    torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
+    for name, a, b in zip(["input", "w_gate", "w_up", "w_down"], g1, g2):
+        torch.testing.assert_close(a, b, **tol(1e-5, 1e-5), msg=name)
+
+
+def test_split_fallback_dispatch_equals_loop(monkeypatch):
+    """The whole module on the split fallback (padding sorted last as zero rows into the last
+    segment) == the per-expert loop reference."""
+    monkeypatch.setattr(moe_mod, "GROUPED_MM", False)
+    sorted_moe, loop_moe = make_moe(8, "sorted"), make_moe(8, "loop")
+    loop_moe.load_state_dict(sorted_moe.state_dict())
+    x = dev(torch.randn(2, 9, D))
+    valid = dev(torch.ones(2, 9, dtype=torch.bool))
+    valid[1, :6] = False
+    (y1, s1), (y2, s2) = sorted_moe(x, valid), loop_moe(x, valid)
+    torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
+    assert torch.equal(s1.tokens_per_expert, s2.tokens_per_expert)
 
 
 # CUDA bf16: torch._grouped_mm ---------------------------------------------------------------------
