@@ -230,6 +230,8 @@ def test_hf_messages_with_system_turns_and_return_dict(processor):
     assert rows == [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
     text_only = processor.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, return_dict=True)
     assert text_only["input_ids"].shape[0] == 1 and text_only["pixel_values"] is None  # tensors, as with images
+    prefill = [plain[0], {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]
+    assert processor.apply_chat_template(prefill, continue_final_message=True).endswith("<|assistant|>\nIt is")
     with pytest.raises(Exception, match="system message must be followed by a user message"):
         processor.apply_chat_template([user, {"role": "assistant", "content": "7"}, system])
 

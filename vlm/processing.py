@@ -28,6 +28,9 @@ PROCESSOR_CONFIG = PROCESSOR_NAME  # "processor_config.json"
 IMAGE_SETTINGS = ("image_size", "image_mean", "image_std", "resample", "image_aspect", "anyres_grids")
 # Our chat format (`CHAT_TEMPLATE`, unchanged for user / assistant turns) plus system messages: the
 # format has no system role, so system text opens the next user turn (as Mistral's template does).
+# Not added to `CHAT_TEMPLATE` itself: ChatTokenizer knows our format by that exact string, so a new
+# string would put tokenizers saved with the old one (data/default, earlier exports) on the path for
+# a pretrained LLM's template. Training data with system turns is still refused (turn_role_and_text).
 PROCESSOR_CHAT_TEMPLATE = (
     "{% set ns = namespace(system='') %}"
     "{% for message in messages %}"
