@@ -108,6 +108,9 @@ def failure_reason(log_text: str, hf_home: str | None = None) -> str:
         return (f"dataset {offline[-1]} is not in the offline datasets cache "
                 f"(HF_HOME={hf_home or '~/.cache/huggingface'}): fill it from local parquet files "
                 f"with python -m eval_suites.stock_data --task TASK --split SPLIT=FILES (eval_suites/README.md)")
+    if "Currently messages is used for generation only" in log_text:
+        return ("interface=chat runs generation tasks only (lmms-eval builds no loglikelihood requests from "
+                "messages); run multiple_choice / loglikelihood tasks with the default interface=simple")
     for pattern in (r"Tasks not found: (.+?)\. Try", r"Tasks were not found: ([^\n]+)"):
         match = re.search(pattern, log_text)
         if match:
