@@ -162,28 +162,35 @@ def test_model_level_dispatch_equivalence(tiny_model):
     torch.testing.assert_close(sorted_m(ids).logits, loop_m(ids).logits, **tol(1e-5, 1e-5))
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 3, 9, 0, 1], [0, 0, 0, 0, 0, 18], [18, 0, 0, 0, 0, 0]],
-                         ids=["mixed", "all-last", "all-first"])
-def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes):
+@pytest.mark.parametrize("sizes, tail", [([5, 0, 3, 9, 0, 1], 0), ([0, 0, 0, 0, 0, 18], 0),
+                                         ([18, 0, 0, 0, 0, 0], 0), ([4, 2, 0, 7, 1, 0], 5), ([0] * 6, 4)],
+                         ids=["mixed", "all-last", "all-first", "mixed+5-outside", "all-outside"])
+def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail):
     """The device-offset grouped path (``torch._grouped_mm``; a C++ loop on the CPU) == the split loop
     over host-read segment sizes (the fallback where no grouped GEMM exists, one named host sync),
-    fp32 forward and backward (input and the three expert stacks), empty segments included."""
+    fp32 forward and backward (input and the three expert stacks), empty segments included. ``tail``
+    rows after the last segment belong to no expert (padding): unspecified outputs, compared on
+    the segments only, and they take no part in the weight gradients."""
     E, I = len(sizes), 24
+    n = sum(sizes)
     g = torch.Generator().manual_seed(0)
-    x = dev(torch.randn(sum(sizes), D, generator=g))
+    x = dev(torch.randn(n + tail, D, generator=g))
     ws = [dev(torch.randn(E, D, I, generator=g) * 0.2), dev(torch.randn(E, D, I, generator=g) * 0.2),
           dev(torch.randn(E, I, D, generator=g) * 0.2)]
     offs = dev(torch.tensor(sizes).cumsum(0).to(torch.int32))
-    g_out = dev(torch.randn(sum(sizes), D, generator=g))
+    g_out = dev(torch.randn(n + tail, D, generator=g))
+    g_out[n:] = 0.0
     outs = []
     for grouped in (True, False):
         monkeypatch.setattr(moe_mod, "GROUPED_MM", grouped)
         leaves = [t.clone().requires_grad_() for t in [x] + ws]
         with counting() as named:
             y = grouped_swiglu(leaves[0], offs, *leaves[1:])
+            y = torch.where(torch.arange(n + tail, device=DEVICE)[:, None] < n, y, 0.0)  # as the caller does
             grads = torch.autograd.grad((y * g_out).sum(), leaves)
         assert named == ({} if grouped else {moe_mod.SPLIT_SYNC: 1})
-        outs.append((y, grads))
+        assert y.shape == (n + tail, D)
+        outs.append((y[:n], (grads[0][:n],) + grads[1:]))
     (y1, g1), (y2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
     for name, a, b in zip(["input", "w_gate", "w_up", "w_down"], g1, g2):
@@ -191,17 +198,25 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes):
 
 
 def test_split_fallback_dispatch_equals_loop(monkeypatch):
-    """The whole module on the split fallback (padding sorted last as zero rows into the last
-    segment) == the per-expert loop reference."""
+    """The whole module on the split fallback (padding sorted after the last segment) == the
+    per-expert loop reference, forward and backward."""
     monkeypatch.setattr(moe_mod, "GROUPED_MM", False)
     sorted_moe, loop_moe = make_moe(8, "sorted"), make_moe(8, "loop")
     loop_moe.load_state_dict(sorted_moe.state_dict())
     x = dev(torch.randn(2, 9, D))
     valid = dev(torch.ones(2, 9, dtype=torch.bool))
     valid[1, :6] = False
-    (y1, s1), (y2, s2) = sorted_moe(x, valid), loop_moe(x, valid)
+    outs = []
+    for moe in (sorted_moe, loop_moe):
+        xi = x.clone().requires_grad_()
+        y, st = moe(xi, valid)
+        grads = torch.autograd.grad((y ** 2).sum() + st.lb_loss, [xi] + list(moe.parameters()))
+        outs.append((y, st, grads))
+    (y1, s1, g1), (y2, s2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
     assert torch.equal(s1.tokens_per_expert, s2.tokens_per_expert)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
 
 
 # CUDA bf16: torch._grouped_mm ---------------------------------------------------------------------

@@ -5,7 +5,7 @@ tokens are gathered into one contiguous buffer of N * K rows, each expert's cont
 through its weights in one ``torch._grouped_mm`` per projection, and the weighted outputs are
 scattered back with ``index_add_``. No token is ever dropped, and nothing is read on the host: the
 segment ends (``offs``) stay on the device, and padding is not removed (a data-dependent shape) but
-sorted behind every real assignment as zero rows that the last group multiplies to exact zeros.
+sorted behind every expert's segment, outside every group (not computed), and masked to zero.
 Only where torch has no grouped GEMM (CUDA in fp32 / fp16, a torch without ``_grouped_mm``) the
 segments go through a per-expert loop over ``split`` sizes read on the host (a named host sync, see
 syncs.py). ``MoEFeedForward.forward_loop`` (``moe_dispatch="loop"``) is the plain per-expert
@@ -53,19 +53,22 @@ SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split
 
 def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_EDI, w_down_EID) -> torch.Tensor:
     """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert): expert e takes
-    rows [offs[e-1], offs[e]). ``offs_E`` (int32, on the device) must end at N."""
+    rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device). Rows from offs[-1] on belong
+    to no expert: their outputs are unspecified (uninitialised memory) and the caller masks them."""
     if GROUPED_MM and (not x_ND.is_cuda or x_ND.dtype == torch.bfloat16):
         h = F.silu(torch._grouped_mm(x_ND, w_gate_EDI, offs=offs_E)) * torch._grouped_mm(x_ND, w_up_EDI, offs=offs_E)
         return torch._grouped_mm(h, w_down_EID, offs=offs_E)
     with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints
-        counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+        sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
+    sizes.append(x_ND.shape[0] - sum(sizes))  # the rows after the last segment
     # unbind, not w[e]: the backward of indexing allocates a zero [E, ...] gradient per expert,
     # unbind's is one stack (3x faster CPU training steps, identical results)
     outs = []
-    for x_e, wg, wu, wd in zip(torch.split(x_ND, counts), w_gate_EDI.unbind(0), w_up_EDI.unbind(0),
+    for x_e, wg, wu, wd in zip(torch.split(x_ND, sizes), w_gate_EDI.unbind(0), w_up_EDI.unbind(0),
                                w_down_EID.unbind(0)):
         h = F.silu(x_e @ wg) * (x_e @ wu)
         outs.append(h @ wd)
+    outs.append(x_ND.new_zeros(sizes[-1], w_down_EID.shape[-1]))
     return torch.cat(outs)
 
 
@@ -99,21 +102,24 @@ class MoEFeedForward(nn.Module):
 
     def experts_sorted(self, x_ND, weights_NK, experts_NK, keep_N=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The dropless grouped dispatch; no host sync. ``keep_N`` (optional, bool): the real tokens;
-        the others are sorted last, enter the last group as zero rows and count for no expert."""
+        the others' assignments are sorted after every expert's segment (id E), outside every group
+        of the grouped GEMM (never computed), and masked to zero on the way in and out."""
         N, K = experts_NK.shape
         E = self.num_experts
         flat_e = experts_NK.reshape(-1)
-        if keep_N is not None:  # padding goes behind every expert (id E) and contributes zeros
+        if keep_N is not None:
             flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, E)
         sorted_e, order = flat_e.sort(stable=True)
         token_idx = order // K
         ends_E = torch.searchsorted(sorted_e, torch.arange(E, device=flat_e.device), right=True)
         counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-        offs_E = torch.cat([ends_E[:-1], ends_E.new_full((1,), N * K)]).to(torch.int32)
         x_sorted = x_ND[token_idx]
-        if keep_N is not None:
-            x_sorted = torch.where((sorted_e < E)[:, None], x_sorted, 0.0)
-        y_sorted = grouped_swiglu(x_sorted, offs_E, self.w_gate, self.w_up, self.w_down)
+        real_S1 = None if keep_N is None else (sorted_e < E)[:, None]
+        if real_S1 is not None:  # also keeps the unspecified gradient rows of the GEMM out of x
+            x_sorted = torch.where(real_S1, x_sorted, 0.0)
+        y_sorted = grouped_swiglu(x_sorted, ends_E.to(torch.int32), self.w_gate, self.w_up, self.w_down)
+        if real_S1 is not None:
+            y_sorted = torch.where(real_S1, y_sorted, 0.0)
         y_sorted = y_sorted * weights_NK.reshape(-1)[order, None].to(y_sorted.dtype)
         out = x_ND.new_zeros(N, x_ND.shape[-1])
         out.index_add_(0, token_idx, y_sorted.to(out.dtype))
