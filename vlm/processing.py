@@ -73,8 +73,9 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
     def __init__(self, tokenizer=None, image_processor=None, num_image_tokens: int | None = None,
                  chat_template: str | None = None, add_bos: bool | None = None, image_transform=None,
                  **image_settings):
-        given = [name for name, value in (("image_processor", image_processor), ("image_transform", image_transform),
-                                          ("image settings", image_settings)) if value]
+        given = [name for name, value in (("image_processor", image_processor is not None),
+                                          ("image_transform", image_transform is not None),
+                                          ("image settings", bool(image_settings))) if value]
         if len(given) > 1:
             raise ValueError(f"pass one of image_processor, image_transform or its settings, not both (got {given}"
                              f"{' ' + str(sorted(image_settings)) if image_settings else ''})")
