@@ -219,6 +219,31 @@ def test_split_fallback_dispatch_equals_loop(monkeypatch):
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
 
 
+def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch):
+    """``FlopCounterMode`` counts the grouped dispatch (our formula for ``torch._grouped_mm``) exactly
+    as the split loop's plain matmuls, forward and forward + backward, padding (rows outside every
+    group) excluded."""
+    from torch.utils.flop_counter import FlopCounterMode
+    moe = make_moe()
+    x = dev(torch.randn(2, 9, D))
+    valid = dev(torch.ones(2, 9, dtype=torch.bool))
+    valid[0, :5] = False
+    counted = []
+    for grouped in (True, False):
+        monkeypatch.setattr(moe_mod, "GROUPED_MM", grouped)
+        for backward in (False, True):
+            xi = x.clone().requires_grad_(backward)
+            with FlopCounterMode(display=False) as fc:
+                y, _ = moe(xi, valid)
+                if backward:
+                    (y ** 2).sum().backward()
+            counted.append(fc.get_total_flops())
+    real = 13 * moe.top_k
+    router = 2 * 18 * D * moe.num_experts
+    assert counted[0] == router + real * 2 * 3 * D * 24  # gate, up, down
+    assert counted[:2] == counted[2:]
+
+
 # CUDA bf16: torch._grouped_mm ---------------------------------------------------------------------
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()

@@ -17,11 +17,13 @@ mean router probability) and the router z-loss ``mean(logsumexp(logits)^2)``, bo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import flop_counter
 
 from vlm.config import MoEConfig
 from vlm.modeling.syncs import host_sync
@@ -70,6 +72,25 @@ def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_ED
         outs.append(h @ wd)
     outs.append(x_ND.new_zeros(sizes[-1], w_down_EID.shape[-1]))
     return torch.cat(outs)
+
+
+def grouped_mm_flops(a, b, offs=None, bias=None, out_dtype=None, *, out_val=None, **kwargs) -> int:
+    """``FlopCounterMode`` formula for ``torch._grouped_mm`` (torch 2.14 has none, so the experts of
+    the sorted dispatch would count zero): 2 multiply-adds per output element and contracted index,
+    over the rows / columns inside the groups only (what the kernel computes)."""
+    if offs is None:  # [G, M, K] x [G, K, N]: a batched matmul
+        return 2 * math.prod(out_val.shape) * a.shape[-1]
+    with host_sync("flop counting: the grouped length offs[-1] (FlopCounterMode only, never in training)"):
+        used = int(offs[-1])
+    if a.dim() == 2 and b.dim() == 3:  # [M, K] x [G, K, N] -> [M, N], M jagged
+        return 2 * used * a.shape[1] * b.shape[2]
+    if a.dim() == 3 and b.dim() == 2:  # [G, M, K] x [K, N] -> [M, N], N jagged
+        return 2 * a.shape[1] * a.shape[2] * used
+    return 2 * a.shape[0] * b.shape[1] * used  # [M, K] x [K, N] -> [G, M, N], K jagged (weight grads)
+
+
+if GROUPED_MM and torch.ops.aten._grouped_mm not in flop_counter.flop_registry:
+    flop_counter.register_flop_formula(torch.ops.aten._grouped_mm, get_raw=True)(grouped_mm_flops)
 
 
 class MoEFeedForward(nn.Module):
