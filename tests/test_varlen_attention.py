@@ -3,10 +3,10 @@
 For every real (valid) query. A padding query sees only itself in the DocLayout, and its earlier
 valid keys of the same segment too in the dense mask: its output is unused either way, so the layer
 tests weight padding rows by zero, and the full-model test checks that no loss reaches them (every
-parameter gradient equal). Forward AND backward (gradients of the inputs and of every weight), fp32, max |diff| <= 1e-5, for
-one attention layer, the model's token / concept / joint-decoder blocks and the whole
-ConceptMoEModel with packing (several documents per row, length-1 documents) and left / right
-padding. On CUDA (``VLM_TEST_DEVICE=cuda``) the bf16 flash kernel (varlen_attn) is checked against
+parameter gradient equal). Forward AND backward (gradients of the inputs and of every weight),
+fp32, max |diff| <= 1e-5, for one attention layer, the model's token / concept / joint-decoder
+blocks and the whole ConceptMoEModel with packing (several documents per row, length-1 documents)
+and left / right padding. On CUDA (``VLM_TEST_DEVICE=cuda``) the bf16 flash kernel (varlen_attn) is checked against
 the dense mask too; it skips on the CPU.
 """
 from __future__ import annotations
@@ -98,14 +98,19 @@ def test_layout_is_the_dense_mask():
         eye = torch.eye(T, dtype=torch.bool, device=DEVICE).expand(B, T, T)
         torch.testing.assert_close(allowed[~valid], eye[~valid], msg=name)
         # buckets: every token exactly once, padding inside a bucket below 2x its tokens
-        assert sorted(torch.cat([g.reshape(-1)[k] for g, k in lay.buckets]).tolist()) == list(range(B * T))
-        assert sum(g.numel() for g, _ in lay.buckets) < 2 * B * T
+        kept = [(r * T + t).reshape(-1) for r, t, _ in lay.buckets]
+        kept = [f if k is None else f[k] for f, (_, _, k) in zip(kept, lay.buckets)]
+        assert sorted(torch.cat(kept).tolist()) == list(range(B * T))
+        assert sum(r.numel() for r, _, _ in lay.buckets) < 2 * B * T
         assert lay.max_len == int(lay.cu_seq.diff().max())
 
 
 def test_attention_mask_choice(monkeypatch):
     valid, seg, _ = layout_tensors("packed")
     assert attention_mask(None, None, 14, DEVICE) is None  # plain causal: no mask at all
+    equal = DocLayout.build(None, dev(torch.arange(4).repeat_interleave(4)[None]))  # 4 documents of 4
+    assert equal.perm_N is None and equal.order_N is None and equal.buckets[0][2] is None  # no reordering
+    assert equal.cu_seq.tolist() == [0, 4, 8, 12, 16] and equal.max_len == 4
     assert isinstance(attention_mask(valid, None, 14, DEVICE), DocLayout)
     assert isinstance(attention_mask(None, seg, 14, DEVICE), DocLayout)
     monkeypatch.setattr(attention, "IMPL", "dense")
@@ -131,7 +136,8 @@ def test_attention_layer_matches_dense(name, joint, monkeypatch):
     c = dev(torch.randn(B, T, CFG.hidden_size)).requires_grad_() if joint else None
     cs = rope_cos_sin(pos, attn.head_dim, CFG.rope_theta, x.dtype)
     inputs = [x] + ([c] if joint else [])
-    assert_same(run_both(attn, lambda m: attn(x, cs, mask=m, concept_BTD=c), inputs, valid, seg, T, monkeypatch))
+    call = lambda m: attn(x, cs, mask=m, concept_BTD=c)  # noqa: E731
+    assert_same(run_both(attn, call, inputs, valid, seg, T, monkeypatch))
 
 
 @pytest.mark.parametrize("stack", ["encoder", "concept", "decoder"])

@@ -34,12 +34,12 @@ class DocLayout:
     """Per-document boundaries of B rows of T positions (flattened row-major, N = B * T)."""
     B: int
     T: int
-    perm_N: torch.Tensor  # flat token index of each slot in document order
+    perm_N: torch.Tensor | None  # flat token index of each slot in document order (None: identity)
     inv_N: torch.Tensor  # slot in document order of each flat token
     cu_seq: torch.Tensor  # [num_docs + 1] int32 cumulative document lengths (document order)
     max_len: int
-    buckets: list  # (gather_nL flat token ids, keep_K kept positions of the flattened n x L batch)
-    order_N: torch.Tensor  # flat token t's output = cat(bucket outputs)[order_N[t]]
+    buckets: list  # (row_nL, t_nL of each slot's token, keep_K kept positions of n x L or None: all)
+    order_N: torch.Tensor | None  # flat token t's output = cat(bucket outputs)[order_N[t]] (None: identity)
 
     @property
     def num_docs(self) -> int:
@@ -79,11 +79,17 @@ class DocLayout:
             t_L = torch.arange(cap, device=device)
             slot_nL = starts_D[docs, None] + t_L
             keep_K = (t_L < L_n[:, None]).reshape(-1).nonzero().squeeze(1)
-            # slots past a document's end read any token: only later (causally invisible) positions
-            buckets.append((perm[slot_nL.clamp(max=N - 1)], keep_K))
             slots.append(slot_nL.reshape(-1)[keep_K])
+            # slots past a document's end read any token: only later (causally invisible) positions
+            full = keep_K.numel() == slot_nL.numel()
+            flat_nL = perm[slot_nL.clamp(max=N - 1)]
+            buckets.append((flat_nL // T, flat_nL % T, None if full else keep_K))
         order = torch.empty_like(perm)
-        order[perm[torch.cat(slots)]] = torch.arange(N, device=device)
+        arange_N = torch.arange(N, device=device)
+        order[perm[torch.cat(slots)]] = arange_N
+        # the common packed row (equal documents, no padding) needs none of the reorderings
+        order = None if torch.equal(order, arange_N) else order
+        perm = None if torch.equal(perm, arange_N) else perm
         return cls(B, T, perm, inv, cu.to(torch.int32), int(len_D.max()), buckets, order)
 
 
@@ -100,21 +106,23 @@ def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
     if (B, T) != (layout.B, layout.T):
         raise ValueError(f"DocLayout is for {layout.B} x {layout.T} positions, got {B} x {T}")
 
-    def flat(x_BHTD):  # [N, heads, D], row-major tokens
-        return x_BHTD.transpose(1, 2).reshape(B * T, x_BHTD.shape[1], D)
-
-    q_NHD, k_NHD, v_NHD = flat(q_BHTD), flat(k_BHTD), flat(v_BHTD)
     if flash_applies(q_BHTD):
         from torch.nn.attention.varlen import varlen_attn
+        q_NHD, k_NHD, v_NHD = (x.transpose(1, 2).reshape(B * T, x.shape[1], D)
+                               for x in (q_BHTD, k_BHTD, v_BHTD))
         p = layout.perm_N
-        out = varlen_attn(q_NHD[p], k_NHD[p], v_NHD[p], layout.cu_seq, layout.cu_seq, layout.max_len,
+        if p is not None:
+            q_NHD, k_NHD, v_NHD = q_NHD[p], k_NHD[p], v_NHD[p]
+        out = varlen_attn(q_NHD, k_NHD, v_NHD, layout.cu_seq, layout.cu_seq, layout.max_len,
                           layout.max_len, window_size=(-1, 0), enable_gqa=True)
-        return out[layout.inv_N].view(B, T, H, D)
+        return (out if p is None else out[layout.inv_N]).view(B, T, H, D)
     outs = []
-    for gather_nL, keep_K in layout.buckets:
-        n, L = gather_nL.shape
-        qb, kb, vb = (x[gather_nL].transpose(1, 2) for x in (q_NHD, k_NHD, v_NHD))  # [n, heads, L, D]
+    for row_nL, t_nL, keep_K in layout.buckets:
+        n, L = row_nL.shape
+        # one gather per tensor straight from [B, T, heads, D] views: [n, L, heads, D] -> [n, heads, L, D]
+        qb, kb, vb = (x.transpose(1, 2)[row_nL, t_nL].transpose(1, 2) for x in (q_BHTD, k_BHTD, v_BHTD))
         ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
-        outs.append(ob.transpose(1, 2).reshape(n * L, H, D)[keep_K])
+        ob = ob.transpose(1, 2).reshape(n * L, H, D)
+        outs.append(ob if keep_K is None else ob[keep_K])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out[layout.order_N].view(B, T, H, D)
+    return (out if layout.order_N is None else out[layout.order_N]).view(B, T, H, D)
