@@ -48,6 +48,7 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.reads: list[tuple[str, str | None, str]] = []
         self._tolist = torch.Tensor.tolist
+        self._quiet = False
 
     def _record(self, op: str) -> None:
         self.reads.append((op, syncs.active(), _where()))
@@ -55,9 +56,13 @@ class HostReads(TorchDispatchMode):
     def __enter__(self):
         reads, tolist = self, self._tolist
 
-        def recording_tolist(t):  # .tolist() reads the data outside the dispatcher
-            reads._record("tolist")
-            return tolist(t)
+        def recording_tolist(t):  # .tolist() reads the data outside the dispatcher (on CUDA, its
+            reads._record("tolist")  # own copy to the CPU is not counted a second time)
+            reads._quiet = True
+            try:
+                return tolist(t)
+            finally:
+                reads._quiet = False
         torch.Tensor.tolist = recording_tolist
         return super().__enter__()
 
@@ -68,7 +73,9 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in READ_OPS or (name == "repeat_interleave" and func._overloadname != "self_int"
+        if self._quiet:
+            pass
+        elif name in READ_OPS or (name == "repeat_interleave" and func._overloadname != "self_int"
                                 and kwargs.get("output_size") is None):
             self._record(name)
         elif name in INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
