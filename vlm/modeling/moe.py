@@ -160,7 +160,8 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
         """Outputs [B, T, D] (zero at padding) and the stats; padding (``valid_BT`` False) never
-        reaches the experts, the stats or the losses. No host sync (see ``experts_sorted``)."""
+        reaches the experts, the stats or the losses. No host sync wherever torch has a grouped GEMM
+        for the device and dtype (CPU, CUDA bf16; see ``grouped_swiglu``)."""
         if self.dispatch == "loop":
             return self.forward_loop(x_BTD, valid_BT)
         B, T, D = x_BTD.shape
