@@ -321,3 +321,21 @@ def test_vlm_beam_search_and_streamer_with_images():
     greedy = model.generate(ids, pixels, mask, max_new_tokens=n, streamer=streamer)
     assert torch.equal(streamer.puts[0], ids.cpu()) and streamer.ended == 1
     assert torch.equal(torch.stack(streamer.puts[1:], 1), greedy[:, ids.shape[1]:].cpu())
+
+
+def test_vlm_is_a_generation_model_with_a_saved_generation_config(tmp_path):
+    """The VLM is a GenerationMixin (pipelines check ``can_generate``): its generation config (special
+    ids only) is saved as generation_config.json and loads back without the top_k warning."""
+    from test_vlm_model import build
+
+    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as VLM
+
+    model = build()
+    assert VLM.can_generate() and model.generation_config.top_k is None
+    model.generation_config.max_new_tokens = 7
+    model.save_pretrained(tmp_path / "vlm")
+    assert (tmp_path / "vlm" / "generation_config.json").is_file()
+    got = []
+    assert not _generation_warnings(lambda: got.append(VLM.from_pretrained(tmp_path / "vlm")))
+    assert got[0].generation_config.max_new_tokens == 7
+    assert got[0].generation_config.eos_token_id == model.config.text_config.eos_token_id

@@ -267,6 +267,9 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
         os.makedirs(save_directory, exist_ok=True)
         save_tokenizer_folder(self.tokenizer, str(save_directory))
         self.to_json_file(os.path.join(save_directory, PROCESSOR_CONFIG))
+        from vlm.remote_code import PROCESSOR_AUTO_MAP, write_remote_code  # trust_remote_code loading
+
+        write_remote_code(save_directory, {PROCESSOR_CONFIG: PROCESSOR_AUTO_MAP})
         return str(save_directory)
 
     @classmethod

@@ -160,23 +160,28 @@ def closure(entries) -> dict[str, str]:
     return files
 
 
-def write_remote_code(folder, model_type: str, processor: dict | None = None) -> list[str]:
-    """Copy the code into ``folder`` and add ``auto_map`` to its config.json (and, with ``processor``
-    = {json file: {auto class: (module, class)}}, to those files). Returns the written file names."""
+PROCESSOR_AUTO_MAP = {"AutoProcessor": ("vlm.processing", "ConceptMoEVLMProcessor")}
+
+
+def write_remote_code(folder, auto_maps: dict) -> list[str]:
+    """Copy the code the ``auto_maps`` name into ``folder`` and write each map into its JSON file:
+    ``{"config.json": MODEL_AUTO_MAP[model_type], ...}``. Returns the written code file names."""
     folder = Path(folder)
-    auto = dict(MODEL_AUTO_MAP[model_type])
-    extra = processor or {}
-    entries = {module for module, _ in auto.values()} | {m for spec in extra.values() for m, _ in spec.values()}
-    files = closure(sorted(entries))
+    entries = {module for spec in auto_maps.values() for module, _ in spec.values()}
+    if __name__ == "vlm.remote_code":
+        files = closure(sorted(entries))
+    else:  # running as remote code itself: this folder already holds the flat modules
+        here = Path(__file__).resolve().parent
+        files = {path.name: path.read_text(encoding="utf-8") for path in here.glob("*.py") if path.name != "__init__.py"}
     for name, text in files.items():
         (folder / name).write_text(text, encoding="utf-8")
-    _add_auto_map(folder / "config.json", auto)
-    for json_name, spec in extra.items():
+    for json_name, spec in auto_maps.items():
         _add_auto_map(folder / json_name, spec)
     return sorted(files)
 
 
 def _add_auto_map(path: Path, spec: dict) -> None:
     data = json.loads(path.read_text(encoding="utf-8"))
-    data["auto_map"] = {auto: f"{flat_name(module)}.{cls}" for auto, (module, cls) in spec.items()}
+    data["auto_map"] = {**data.get("auto_map", {}),
+                        **{auto: f"{flat_name(module)}.{cls}" for auto, (module, cls) in spec.items()}}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -137,6 +137,28 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
             kwargs["use_safetensors"] = True
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs):
+        """A checkpoint without generation_config.json keeps the one built from its config (special token
+        ids): transformers would otherwise read every generation-like key of config.json (``top_k``)."""
+        if generation_config is None and pretrained_model_name_or_path is not None and \
+                os.path.isdir(pretrained_model_name_or_path):
+            sub = kwargs.get("subfolder") or ""
+            if not os.path.isfile(os.path.join(pretrained_model_name_or_path, sub, GENERATION_CONFIG_NAME)):
+                return
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                                     *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' files + the code and ``auto_map`` for ``trust_remote_code=True`` loading where our
+        packages are not installed (``vlm/remote_code.py``)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            from vlm.remote_code import MODEL_AUTO_MAP, write_remote_code
+
+            write_remote_code(save_directory, {"config.json": MODEL_AUTO_MAP[self.config.model_type]})
+        return out
+
     def _initialize_weights(self, module, is_custom_code: bool = False):
         # For "custom code" (any model outside transformers) modules without direct parameters
         # (Attention, ChunkModule) are skipped, which would skip the joint projections' zero init and
@@ -290,18 +312,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             new = max(input_ids.shape[1] - modality_ids.shape[1], 0)  # > 0 only without a cache
             inputs["modality_ids"] = F.pad(modality_ids, (0, new), value=TEXT)
         return inputs
-
-    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
-                             *args, **kwargs):
-        """A checkpoint without generation_config.json keeps the one built from its config (special token
-        ids): transformers would otherwise read every generation-like key of config.json (``top_k``)."""
-        if generation_config is None and pretrained_model_name_or_path is not None and \
-                os.path.isdir(pretrained_model_name_or_path):
-            sub = kwargs.get("subfolder") or ""
-            if not os.path.isfile(os.path.join(pretrained_model_name_or_path, sub, GENERATION_CONFIG_NAME)):
-                return
-        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
-                                     *args, **kwargs)
 
 
 AutoConfig.register("conceptmoe", ConceptMoEConfig, exist_ok=True)

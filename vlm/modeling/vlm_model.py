@@ -10,7 +10,7 @@ chunker apply the cross-modal policy and report per-modality ratios.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModel
+from transformers import AutoModel, GenerationMixin
 
 from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput, ConceptMoEPreTrainedModel
 from vlm.config.vlm import ConceptMoEVLMConfig
@@ -20,7 +20,7 @@ class ImageTokenMismatch(ValueError):
     """The number of ``<image>`` tokens does not match the images given."""
 
 
-class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel):
+class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, GenerationMixin):
     config_class = ConceptMoEVLMConfig
     base_model_prefix = "vlm"
     _no_split_modules = ["TransformerBlock"]
@@ -75,12 +75,13 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel):
         ``inputs_embeds`` (a beam or returned sequence is a row of those, so no per-image expansion),
         then the language model's ``GenerationMixin.generate`` decodes text over the ConceptCache. Every
         generation option of ``ConceptMoEForCausalLM.generate`` applies (greedy, sampling, beams,
-        streamer, scores, ...); the generation config is ``language_model.generation_config``. Runs in
-        eval mode (then back to the previous mode); returns the prompt ids followed by the new tokens."""
+        streamer, scores, ...); the generation config is this model's (saved as generation_config.json).
+        Runs in eval mode (then back to the previous mode); returns the prompt ids followed by the new tokens."""
         was_training = self.training
         self.eval()
         try:
             embeds, modality_BT = self.embed(input_ids, pixel_values)
+            kwargs["generation_config"] = kwargs.get("generation_config") or self.generation_config
             return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds,
                                                 attention_mask=attention_mask, modality_ids=modality_BT, **kwargs)
         finally:
