@@ -177,18 +177,21 @@ def stock_runs(tmp_path_factory):
                          {k: v for k, v in env.items() if k != "HF_HOME"})}
     runs = {}
     for name, (cmd, out, run_env) in commands.items():
-        runs[name] = (subprocess.Popen(cmd, cwd=str(REPO), env=dict(run_env, MASTER_PORT=str(free_port())),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+        log_path = base / f"{name}.log"  # a file, not a pipe: an unread pipe would stall the run
+        with open(log_path, "w") as log:
+            runs[name] = (subprocess.Popen(cmd, cwd=str(REPO), env=dict(run_env, MASTER_PORT=str(free_port())),
+                                           stdout=log, stderr=subprocess.STDOUT), out, log_path)
     yield runs
-    for proc, _ in runs.values():
+    for proc, _, _ in runs.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
 def _finish(run) -> tuple[dict, str, str]:
-    proc, out = run
-    log, _ = proc.communicate(timeout=600)
+    proc, out, log_path = run
+    proc.wait(timeout=600)
+    log = log_path.read_text(errors="replace")
     # lmms-eval exits 0 even when a task failed to load: the results file is what counts
     assert proc.returncode == 0, log[-4000:]
     found = [p for p in glob.glob(str(out / "**" / "*_results.json"), recursive=True)
