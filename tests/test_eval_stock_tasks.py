@@ -219,21 +219,48 @@ def test_stock_tasks_simple_interface(stock_runs):
     results, log, folder = _finish(stock_runs["simple"])
     assert results["config"]["model_backend"].endswith("(simple)"), results["config"]["model_backend"]
     _check_metrics(results, SIMPLE_TASKS, "simple", log)
-    # the multiple-choice task went through loglikelihood: one (loss, greedy) pair per choice
-    samples = glob.glob(os.path.join(folder, "*_samples_mmlu_abstract_algebra.jsonl"))
-    with open(samples[0]) as f:
-        row = json.loads(f.readline())
-    losses = [float(resp[0]) for resp in row["filtered_resps"]]
-    assert len(losses) == 4 and all(x > 0 for x in losses), row["filtered_resps"]
-    assert results["results"]["mme"]["mme_perception_score,none"] in (0.0, 50.0, 200.0)
+    # every generation task got text from the model (random text: scores are 0 or chance)
+    for task in SIMPLE_TASKS:
+        if task != "mmlu_abstract_algebra":
+            replies = [_reply(row) for row in _samples(folder, task)]
+            assert len(replies) == LIMIT and all(isinstance(r, str) and r.strip() for r in replies), (task, replies)
+    # each reported number is what the logged samples say
+    for task, key in (("scienceqa_img", "exact_match"), ("chartqa", "relaxed_overall")):
+        rows = _samples(folder, task)
+        assert results["results"][task][f"{key},none"] == pytest.approx(sum(r[key] for r in rows) / LIMIT), task
+    # the multiple-choice task went through loglikelihood: one (loss, greedy) pair per choice, argmin wins
+    rows = _samples(folder, "mmlu_abstract_algebra")
+    for row in rows:
+        losses = [float(resp[0]) for resp in row["filtered_resps"]]
+        assert len(losses) == 4 and all(x > 0 for x in losses), row["filtered_resps"]
+        assert row["acc"] == float(losses.index(min(losses)) == int(row["target"])), (losses, row["target"])
+    assert results["results"]["mmlu_abstract_algebra"]["acc,none"] == pytest.approx(sum(r["acc"] for r in rows) / LIMIT)
+    assert results["results"]["mme"]["mme_perception_score,none"] in (0.0, 50.0, 200.0)  # one question pair
+
+
+def _samples(folder, task) -> list[dict]:
+    files = glob.glob(os.path.join(folder, f"*_samples_{task}.jsonl"))
+    assert len(files) == 1, (task, files)
+    with open(files[0]) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _reply(row):
+    reply = row["filtered_resps"]
+    while isinstance(reply, list):
+        reply = reply[0]
+    return reply
 
 
 @pytest.mark.slow
 def test_stock_tasks_chat_interface(stock_runs):
-    results, log, _ = _finish(stock_runs["chat"])
+    results, log, folder = _finish(stock_runs["chat"])
     # lmms-eval built message tasks (ConfigurableMessagesTask) for a model with is_simple False
     assert results["config"]["model_backend"].endswith("(chat)"), results["config"]["model_backend"]
     _check_metrics(results, CHAT_TASKS, "chat", log)
+    for task in CHAT_TASKS:
+        replies = [_reply(row) for row in _samples(folder, task)]
+        assert len(replies) == LIMIT and all(isinstance(r, str) and r.strip() for r in replies), (task, replies)
 
 
 # ----- the chat interface's message conversion (no lmms-eval run) -----
