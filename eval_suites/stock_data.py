@@ -45,6 +45,7 @@ def _task_yaml(task: str) -> str:
     """The YAML file of stock task ``task``: the installed task files that name it are tried first
     (quick), lmms-eval's task index (a few seconds to build) settles the rest."""
     import lmms_eval
+    import yaml
     from lmms_eval.utils import load_yaml_config
 
     root = os.path.join(os.path.dirname(lmms_eval.__file__), "tasks")
@@ -54,10 +55,11 @@ def _task_yaml(task: str) -> str:
             text = f.read()
         if any(n in text for n in needles):
             try:
-                if load_yaml_config(path, mode="simple").get("task") == task:
-                    return path
-            except Exception:  # noqa: BLE001 - a YAML lmms-eval itself could not read either
-                continue
+                config = load_yaml_config(path, mode="simple")
+            except (OSError, ValueError, TypeError, AssertionError, yaml.YAMLError):  # unreadable for lmms-eval too
+                config = {}
+            if isinstance(config, dict) and config.get("task") == task:
+                return path
     from lmms_eval.tasks import TaskManager
 
     entry = TaskManager().task_index.get(task)

@@ -24,7 +24,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _eval_helpers import REPO, session_checkpoint
 
 pytest.importorskip("lmms_eval")
