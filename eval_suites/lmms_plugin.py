@@ -223,7 +223,7 @@ class ConceptMoEVLMEval(lmms):
         return self.chat.encode_prompt(prompt, image_tiles=self.processor.image_tiles(images)), images, gen_kwargs
 
     def generate_batch(self, prompt_ids: list[list[int]], images: list[list], gen_kwargs: dict) -> list[str]:
-        """Greedy / sampled continuations for already tokenised prompts (left-padded batch)."""
+        """Greedy / sampled / beam-search continuations for already tokenised prompts (left-padded batch)."""
         gen = dict(gen_kwargs)
         until = gen.pop("until", None)
         if until is None:
@@ -235,12 +235,16 @@ class ConceptMoEVLMEval(lmms):
         max_new = int(gen.pop("max_new_tokens", None) or self.max_new_tokens)
         temperature = float(gen.pop("temperature", 0) or 0)
         # sampling needs temperature > 0; an explicit do_sample=false keeps it greedy (HF semantics)
-        do_sample = temperature > 0 and as_bool(gen.pop("do_sample", True))
+        do_sample = as_bool(gen.pop("do_sample", True)) and temperature > 0
         top_p = gen.pop("top_p", None)
         top_p = 1.0 if top_p in (None, 0) else float(top_p)
-        top_k = int(gen.pop("top_k", 0) or 0)
-        if int(gen.pop("num_beams", 1) or 1) != 1:
-            warnings.warn("conceptmoe_vlm: beam search is not supported; decoding greedily/sampling", stacklevel=2)
+        top_k = int(gen.pop("top_k", 0) or 0) or None  # None: no top-k filter (0 would warn in transformers)
+        beams = {"num_beams": int(gen.pop("num_beams", 1) or 1)}  # beam search runs on the concept cache
+        for key in ("repetition_penalty", "length_penalty", "no_repeat_ngram_size"):
+            if gen.get(key) is not None:
+                beams[key] = gen.pop(key)
+        if gen:
+            warnings.warn(f"conceptmoe_vlm: generation kwargs not used: {sorted(gen)}", stacklevel=2)
         stop_ids = {self.chat.end_id}
         for s in until:
             ids = self.tok_encode(s) if s else []
@@ -253,7 +257,8 @@ class ConceptMoEVLMEval(lmms):
         out = self._model.generate(input_ids=input_ids, pixel_values=self._pixel_values(flat),
                                    attention_mask=mask, max_new_tokens=max_new,
                                    do_sample=do_sample, temperature=temperature if do_sample else 1.0,
-                                   top_p=top_p, top_k=top_k, eos_token_id=sorted(stop_ids), pad_token_id=pad)
+                                   top_p=top_p, top_k=top_k, eos_token_id=sorted(stop_ids), pad_token_id=pad,
+                                   **beams)
         texts = []
         for row in out[:, width:].tolist():
             cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))

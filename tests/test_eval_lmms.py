@@ -206,6 +206,20 @@ def test_generate_until_batched_equals_single_and_cuts_until(plugin, data_dir):
         assert again == batched[0].split(cut)[0]
 
 
+def test_generate_until_beam_search_is_the_models(plugin, data_dir, monkeypatch):
+    """A task's num_beams reaches the model's generate (beam search on the concept cache); a generation
+    kwarg the plugin does not use is named in a warning, never dropped silently."""
+    docs = [{"question": "What digit is this?", "image": _digit_image(data_dir, 2)}]
+    seen = []
+    original = plugin._model.generate
+    monkeypatch.setattr(plugin._model, "generate", lambda **kw: seen.append(kw) or original(**kw))
+    gen = {"max_new_tokens": 4, "temperature": 0, "num_beams": 3, "until": ["<|end|>"]}
+    plugin.generate_until(_requests(plugin, docs, gen))
+    assert seen[-1]["num_beams"] == 3 and seen[-1]["top_k"] is None
+    with pytest.warns(UserWarning, match=r"generation kwargs not used: \['image_aspect_ratio'\]"):
+        plugin.generate_until(_requests(plugin, docs, {**gen, "image_aspect_ratio": "pad"}))
+
+
 def test_prompt_placeholders():
     assert build_prompt("Q?", 1) == "<image>\nQ?"
     assert build_prompt("Q?", 0) == "Q?"
