@@ -126,3 +126,66 @@ def make_matmul(device: torch.device, dtype: torch.dtype, n: int) -> tuple[Calla
     def fn():
         torch.mm(a, b, out=out)
     return fn, 2.0 * n ** 3
+
+
+def _proc_status() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                key, val = line.split(":")
+                out[key] = int(val.split()[0]) * 1024
+    return out
+
+
+def _reset_rss_peak() -> bool:
+    """Trim the freed malloc heap back to the OS and reset the kernel's RSS high-water mark (VmHWM) to
+    the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``). False where that is not possible."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> dict:
+    """Peak memory one call of ``fn`` adds on top of what was allocated before it (bytes).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the process RSS
+    high-water mark (``VmHWM``, reset to the current RSS first, the freed malloc heap trimmed) minus the
+    RSS before the call; where the mark cannot be reset (not Linux), ``resource.getrusage`` ru_maxrss
+    growth (a lower bound: 0 when an earlier call went higher). Returns {"bytes", "method"}."""
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        sync(device)
+        return {"bytes": torch.cuda.max_memory_allocated(device) - before, "method": "cuda_max_memory_allocated"}
+    try:
+        if _reset_rss_peak():
+            before = _proc_status()["VmRSS"]
+            fn()
+            return {"bytes": max(0, _proc_status()["VmHWM"] - before), "method": "rss_hwm_reset"}
+    except OSError:
+        pass
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    fn()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"bytes": max(0, after - before), "method": "ru_maxrss_growth_lower_bound"}
+
+
+def peak_memory_median(fn: Callable[[], object], device: torch.device, n: int = 1) -> dict:
+    """``peak_memory`` ``n`` times; the median bytes (and every sample)."""
+    samples = [peak_memory(fn, device) for _ in range(max(1, n))]
+    xs = sorted(s["bytes"] for s in samples)
+    return {"bytes": statistics.median(xs), "samples": xs, "method": samples[0]["method"]}

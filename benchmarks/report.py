@@ -113,3 +113,14 @@ def finish(s: Settings, report: Callable[[], tuple], plot: Callable, log: Callab
     payload = write_results(s, *report(), plot)
     log(f"wrote {s.out / s.name}.json/.md/.png")
     return payload
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None or b != b:
+        return "n/a"
+    return f"{b / 2**20:,.0f} MiB" if b >= 2**20 else f"{b / 2**10:,.0f} KiB"
+
+
+def fmt_ratio(st: dict) -> str:
+    """``median [q1-q3]`` of a stats dict of plain ratios (x)."""
+    return f"{st['median']:.2f}x [{st['q1']:.2f}-{st['q3']:.2f}]"
