@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation.configuration_utils import GenerationMode
@@ -54,13 +55,48 @@ class ConceptMoEOutput(ModelOutput):
 
 
 def lm_loss_fn(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy; labels are aligned with inputs (shifted here), -100 ignored."""
+    """Next-token cross entropy on full fp32 logits (the reference of ``chunked_lm_loss``); labels are
+    aligned with inputs (shifted here), -100 ignored; 0 when no label is left. No host read."""
     shift_logits = logits_BTV[:, :-1].float()
     shift_labels = labels_BT[:, 1:]
-    if not bool((shift_labels != -100).any()):
-        return shift_logits.sum() * 0.0
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-                           ignore_index=-100)
+    total = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+                            ignore_index=-100, reduction="sum")
+    return total / (shift_labels != -100).sum().clamp(min=1)
+
+
+CE_CHUNK_BYTES = 256 * 2 ** 20  # fp32 logits of one chunk of ``chunked_lm_loss``
+
+
+def _chunk_ce_sum(head: nn.Module, h_ND: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h_ND).float(), labels_N, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(head: nn.Module, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor,
+                    chunk_tokens: int | None = None) -> torch.Tensor:
+    """``lm_loss_fn(head(hidden_BTD), labels_BT)`` without the full logits: the shifted tokens run
+    through ``head`` + fp32 cross entropy ``chunk_tokens`` at a time, each chunk checkpointed (the
+    backward recomputes its logits), so at most one chunk's logits [chunk, V] are alive. Sum of the
+    chunk sums / number of label tokens, as the reference. No host read."""
+    h_ND = hidden_BTD[:, :-1].reshape(-1, hidden_BTD.shape[-1])
+    labels_N = labels_BT[:, 1:].reshape(-1)
+    chunk = chunk_tokens or max(1, CE_CHUNK_BYTES // (4 * head.out_features))
+    total = h_ND.new_zeros((), dtype=torch.float32)
+    for s in range(0, h_ND.shape[0], chunk):
+        part = (head, h_ND[s:s + chunk], labels_N[s:s + chunk])
+        if torch.is_grad_enabled():
+            total = total + torch.utils.checkpoint.checkpoint(_chunk_ce_sum, *part, use_reentrant=False)
+        else:
+            total = total + _chunk_ce_sum(*part)
+    return total / (labels_N != -100).sum().clamp(min=1)
+
+
+def loss_only(model: nn.Module, on: bool = True) -> int:
+    """Forwards with labels of every ``ConceptMoEForCausalLM`` in ``model`` (a VLM's language model
+    too) return the loss without logits (``chunked_lm_loss``); the trainer's setting. Returns how many."""
+    lms = [m for m in model.modules() if isinstance(m, ConceptMoEForCausalLM)]
+    for lm in lms:
+        lm.logits_with_loss = not on
+    return len(lms)
 
 
 def total_loss(cfg: ConceptMoEConfig, lm, ratio, lb, z):
@@ -181,6 +217,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
 
 class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    logits_with_loss = True  # a forward with labels returns logits too (``loss_only`` turns it off)
 
     def __init__(self, config: ConceptMoEConfig):
         super().__init__(config)
@@ -199,9 +236,16 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, segment_ids=None, modality_ids=None, cache: ConceptCache | None = None,
-                logits_to_keep: int = 0, **kwargs) -> ConceptMoEOutput:
+                logits_to_keep: int = 0, return_logits: bool | None = None, **kwargs) -> ConceptMoEOutput:
         """Full forward; with ``cache`` (generation) the prefill on a fresh cache, then one token per row.
-        ``logits_to_keep=n`` computes the logits of the last n positions only (0: all)."""
+        ``logits_to_keep=n`` computes the logits of the last n positions only (0: all).
+        ``return_logits=False`` with labels (training, loss only): ``logits`` is None and the loss is
+        ``chunked_lm_loss`` (no [B, T, V] logits); None takes ``self.logits_with_loss`` (True unless a
+        trainer set it with ``loss_only``); otherwise logits + ``lm_loss_fn`` on them."""
+        if return_logits is None:
+            return_logits = labels is None or self.logits_with_loss
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: without them the forward returns only logits")
         if logits_to_keep and labels is not None:
             raise ValueError("logits_to_keep drops the logits the loss needs: pass labels without it")
         if cache is not None and cache.started:
@@ -216,8 +260,11 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             state = cache.state = DecodeState.allocate(self.model, ref.shape[0], cache.capacity, p.device, p.dtype)
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                          position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids, state=state)
-        logits = self.lm_head(out.hidden_BTD[:, -logits_to_keep:] if logits_to_keep else out.hidden_BTD)
-        lm = lm_loss_fn(logits, labels) if labels is not None else None
+        if return_logits:
+            logits = self.lm_head(out.hidden_BTD[:, -logits_to_keep:] if logits_to_keep else out.hidden_BTD)
+            lm = lm_loss_fn(logits, labels) if labels is not None else None
+        else:
+            logits, lm = None, chunked_lm_loss(self.lm_head, out.hidden_BTD, labels)
         loss = total_loss(self.config, lm, out.ratio_loss, out.lb_loss, out.z_loss) if lm is not None else None
         compression = None
         if out.boundary_BT is not None:
