@@ -98,10 +98,9 @@ def test_layout_is_the_dense_mask():
         eye = torch.eye(T, dtype=torch.bool, device=DEVICE).expand(B, T, T)
         torch.testing.assert_close(allowed[~valid], eye[~valid], msg=name)
         # buckets: every token exactly once, padding inside a bucket below 2x its tokens
-        kept = [(r * T + t).reshape(-1) for r, t, _ in lay.buckets]
-        kept = [f if k is None else f[k] for f, (_, _, k) in zip(kept, lay.buckets)]
-        assert sorted(torch.cat(kept).tolist()) == list(range(B * T))
-        assert sum(r.numel() for r, _, _ in lay.buckets) < 2 * B * T
+        flat = torch.cat([f for _, _, f in lay.buckets])
+        assert torch.equal(flat[lay.src_N], torch.arange(B * T, device=DEVICE))
+        assert sum(n * L for n, L, _ in lay.buckets) < 2 * B * T
         assert lay.max_len == int(lay.cu_seq.diff().max())
 
 
@@ -109,8 +108,13 @@ def test_attention_mask_choice(monkeypatch):
     valid, seg, _ = layout_tensors("packed")
     assert attention_mask(None, None, 14, DEVICE) is None  # plain causal: no mask at all
     equal = DocLayout.build(None, dev(torch.arange(4).repeat_interleave(4)[None]))  # 4 documents of 4
-    assert equal.perm_N is None and equal.order_N is None and equal.buckets[0][2] is None  # no reordering
+    assert equal.perm_N is None and equal.src_N is None and equal.buckets[0][:2] == (4, 4)  # no reordering
     assert equal.cu_seq.tolist() == [0, 4, 8, 12, 16] and equal.max_len == 4
+    # the loop kernel's pieces (document order): runs of length-1 documents (padding, one-token
+    # segments) merged, never across rows
+    lay = DocLayout.build(*layout_tensors("packed_left_right")[:2])
+    assert lay.pieces == [(0, 3, False), (3, 1, True), (4, 4, False), (8, 6, True),
+                          (14, 5, False), (19, 8, False), (27, 1, True)]
     assert isinstance(attention_mask(valid, None, 14, DEVICE), DocLayout)
     assert isinstance(attention_mask(None, seg, 14, DEVICE), DocLayout)
     monkeypatch.setattr(attention, "IMPL", "dense")
@@ -118,13 +122,18 @@ def test_attention_mask_choice(monkeypatch):
     monkeypatch.setattr(attention, "IMPL", "sparse")
     with pytest.raises(ValueError, match="IMPL"):
         attention_mask(valid, seg, 14, DEVICE)
+    monkeypatch.setattr(varlen, "KERNEL", "fast")
+    with pytest.raises(ValueError, match="KERNEL"):
+        varlen.doc_attention(*(torch.zeros(2, 2, 14, 4, device=DEVICE),) * 3, DocLayout.build(valid, seg))
     with pytest.raises(ValueError, match="DocLayout is for"):
         varlen.doc_attention(*(torch.zeros(1, 2, 5, 4, device=DEVICE),) * 3, DocLayout.build(valid, seg))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("joint", [False, True])
-def test_attention_layer_matches_dense(name, joint, monkeypatch):
+@pytest.mark.parametrize("kernel", ["loop", "bucketed"])
+def test_attention_layer_matches_dense(name, joint, kernel, monkeypatch):
+    monkeypatch.setattr(varlen, "KERNEL", kernel)
     torch.manual_seed(0)
     attn = Attention(CFG, CFG.hidden_size, joint=joint)
     for p in attn.parameters():
@@ -142,8 +151,10 @@ def test_attention_layer_matches_dense(name, joint, monkeypatch):
 
 @pytest.mark.parametrize("stack", ["encoder", "concept", "decoder"])
 @pytest.mark.parametrize("name", ["packed_left_right", "noncontiguous"])
-def test_model_blocks_match_dense(tiny_model, stack, name, monkeypatch):
+@pytest.mark.parametrize("kernel", ["auto", "bucketed"])
+def test_model_blocks_match_dense(tiny_model, stack, name, kernel, monkeypatch):
     """The model's own blocks (MoE FFN, concept width and top-k, joint decoding) on one layout."""
+    monkeypatch.setattr(varlen, "KERNEL", kernel)
     model = randomise_joint(tiny_model("tiny_concept", concept_hidden_size=48))
     core = model.model
     block = {"encoder": core.encoder, "concept": core.concept_model, "decoder": core.decoder}[stack][0]
