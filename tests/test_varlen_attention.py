@@ -191,10 +191,11 @@ def _packed_batch(V: int = 2048):
     return dev(ids, am, seg, pos)
 
 
-@pytest.mark.parametrize("merge", ["last", "sum"])
-def test_full_model_matches_dense(tiny_model, make_decisive, merge, monkeypatch):
+@pytest.mark.parametrize("merge, kernel", [("last", "auto"), ("sum", "auto"), ("last", "bucketed")])
+def test_full_model_matches_dense(tiny_model, make_decisive, merge, kernel, monkeypatch):
     """ConceptMoEModel with segment_ids + padding: logits, every loss and every parameter gradient
     equal the dense-mask reference (decisive router: a last-bit difference cannot flip a boundary)."""
+    monkeypatch.setattr(varlen, "KERNEL", kernel)
     model = dev(randomise_joint(make_decisive(tiny_model("tiny_concept", concept_merge=merge), 3)))
     ids, am, seg, pos = _packed_batch()
     labels = ids.masked_fill(am == 0, -100)
@@ -237,7 +238,7 @@ def test_cuda_bf16_flash_matches_dense(name, monkeypatch):
     assert varlen.flash_applies(torch.zeros(1, 1, 1, attn.head_dim, device=DEVICE, dtype=torch.bfloat16))
     ref = run_both(attn, lambda m: attn(x, cs, mask=m), [x], valid, seg, T, monkeypatch)
     assert_bf16 = dict(tol(0, dtype=torch.bfloat16))
-    monkeypatch.setattr(varlen, "KERNEL", "sdpa")
+    monkeypatch.setattr(varlen, "KERNEL", "bucketed")
     attn.zero_grad(set_to_none=True)
     x.grad = None
     out = attn(x, cs, mask=lay)
