@@ -23,7 +23,14 @@ import torch
 from benchmarks.cli import base_parser, logger, parse_sizes, setup
 from benchmarks.harness import free_memory, interleaved, peak_memory_median, stats
 from benchmarks.report import (
-    finish, fmt_bytes, fmt_median_iqr, fmt_ratio, md_table, oom_reason, settings_line, write_results,
+    finish,
+    fmt_bytes,
+    fmt_median_iqr,
+    fmt_ratio,
+    md_table,
+    oom_reason,
+    settings_line,
+    write_results,
 )
 
 NAME = "attention"

@@ -14,7 +14,14 @@ import torch
 
 from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import interleaved, peak_memory_median, stats
-from benchmarks.report import finish, fmt_bytes, fmt_median_iqr, fmt_ratio, md_table, settings_line
+from benchmarks.report import (
+    finish,
+    fmt_bytes,
+    fmt_median_iqr,
+    fmt_ratio,
+    md_table,
+    settings_line,
+)
 
 NAME = "dechunk"
 PRESETS = {"smoke": [64, 256], "cpu": [1024, 2048, 4096, 8192, 16384], "gpu": [1024, 2048, 4096, 8192, 16384]}

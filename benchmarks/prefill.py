@@ -82,8 +82,11 @@ def run(argv=None) -> dict:
         table = md_table(["seq len", "rounds", "MoE forward", "ConceptMoE forward", "speedup", "achieved R",
                             "predicted (causal map)", "predicted (full map)", "measured / predicted"], rows)
         skipped = [r for r in results if "skipped" in r]
-        md = (f"## Prefill latency: ConceptMoE vs matched MoE (batch 1, forward, no grad)\n\n"
+        md = (f"## Prefill latency: ConceptMoE vs matched MoE (batch 1, forward, no grad) - BEST CASE, fixed "
+              f"boundaries\n\n"
               f"{settings_line(s)}\n\n"
+              f"- **best case**: one unpacked row, boundaries fixed (no router, no noise, no documents); the "
+              f"training path (packed rows, learned router, forward + backward) is in train_packed.md\n"
               f"- MoE: {pair_info['baseline']}\n- ConceptMoE: {pair_info['concept']}; boundary_mode=fixed "
               f"(boundary every round(R) tokens, so the achieved R is exactly the target; same compute as a "
               f"learned router at that R)\n"

@@ -21,7 +21,7 @@ from benchmarks.cli import RESULTS
 from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
-BENCHMARKS = ("prefill", "decode", "moe", "train")
+BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk")
 
 
 def main(argv=None) -> int:
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
 def _order(path: Path):
     stem = path.stem
-    base = stem.split("_")[0]
+    base = stem if stem in BENCHMARKS else stem.split("_")[0]
     return (BENCHMARKS.index(base) if base in BENCHMARKS else len(BENCHMARKS), stem)
 
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from benchmarks import decode, moe, prefill, run_all, train
+from benchmarks import attention, dechunk, decode, moe, prefill, run_all, train, train_packed
 from benchmarks.cli import parse_sizes
-from benchmarks.harness import interleaved, stats
+from benchmarks.harness import interleaved, peak_memory, stats
 from benchmarks.model_pair import build_model, load_pair, random_ids
 
 SMOKE = ["--smoke", "--threads", "1"]
@@ -56,6 +56,21 @@ def moe_data(out_dir):
 @pytest.fixture(scope="module")
 def train_data(out_dir):
     return _run(train, out_dir)
+
+
+@pytest.fixture(scope="module")
+def train_packed_data(out_dir):
+    return _run(train_packed, out_dir)
+
+
+@pytest.fixture(scope="module")
+def attention_data(out_dir):
+    return _run(attention, out_dir)
+
+
+@pytest.fixture(scope="module")
+def dechunk_data(out_dir):
+    return _run(dechunk, out_dir)
 
 
 def test_prefill_smoke(prefill_data):
@@ -114,11 +129,79 @@ def test_train_smoke(train_data):
     assert r["achieved_ratio"] == pytest.approx(2.0)
 
 
-def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data):
+def test_train_packed_smoke(train_packed_data):
+    d = train_packed_data
+    assert d["boundary_mode"] == "dynamic"  # the learned router, not fixed boundaries
+    cal = d["calibration"]
+    assert cal["steps"] >= 3 and cal["within_tolerance"]  # eval R within 10% of the target
+    assert abs(cal["eval_ratio_after"] / cal["target_ratio"] - 1) <= train_packed.R_TOLERANCE
+    res = d["results"]
+    assert [r["seq_len"] for r in res] == train_packed.PRESETS["smoke"]
+    for r in res:
+        assert all(n > 1 for n in r["docs_per_row"])  # packed: several documents per row
+        assert r["concept_over_moe_time"]["median"] > 0 and r["concept_over_moe_memory"] > 0
+        assert 1.0 < r["achieved_ratio_train"] < 4.0 and 1.0 < r["achieved_ratio_eval"] < 4.0
+        for tag in ("moe", "concept"):
+            assert r[tag]["tokens_per_s"] > 0 and r[tag]["peak_bytes"] > 0
+            assert all(math.isfinite(x) for x in r[tag]["loss_first_last"])
+
+
+def test_packed_batch_layout():
+    b = train_packed.packed_batch(2, 100, 10, 50, torch.device("cpu"), seed=3)
+    seg, pos, lab = b["segment_ids"], b["position_ids"], b["labels"]
+    starts = pos == 0
+    assert torch.equal(starts[:, 1:], seg[:, 1:] != seg[:, :-1])  # positions restart at every new document
+    assert bool(starts[:, 0].all()) and bool((lab[starts] == -100).all()) and bool((lab[~starts] >= 0).all())
+    assert [int(seg[i].max()) for i in range(2)] == b["docs_per_row"]
+
+
+def test_attention_smoke(attention_data):
+    res = attention_data["results"]
+    assert [r["seq_len"] for r in res] == attention.PRESETS["smoke"]
+    for r in res:
+        for k in ("dense", "layout", "rows"):
+            assert r[k]["time_s"]["median"] > 0 and r[k]["peak_bytes"] > 0
+        assert r["dense_bytes"] == r["seq_len"] ** 2  # the [1, 1, T, T] bool mask
+        assert r["layout_over_rows_time"]["median"] > 0
+    assert "target" in res[-1]
+
+
+def test_attention_variants_agree():
+    """The three timed variants compute the same attention (dense mask, layout, separate rows)."""
+    from vlm.modeling.attention import causal_mask
+    from vlm.modeling.varlen import DocLayout
+    layer, cfg = attention.build_layer(32, 4, 2, torch.device("cpu"), torch.float32)
+    x = attention.packed_inputs(64, attention.DOCS, layer, cfg, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        dense = layer(x["x"], x["cos_sin"], mask=causal_mask(None, x["seg"], 64, torch.device("cpu")))
+        lay = layer(x["x"], x["cos_sin"], mask=DocLayout.build(None, x["seg"]))
+        rows = layer(x["x"].view(attention.DOCS, -1, 32), x["rows_cos_sin"], mask=None).reshape(1, 64, 32)
+    torch.testing.assert_close(lay, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_dechunk_smoke(dechunk_data):
+    res = dechunk_data["results"]
+    assert [r["concepts"] for r in res] == dechunk.PRESETS["smoke"]
+    assert res[0]["over_smallest"]["median"] == pytest.approx(1.0)
+    for r in res:
+        assert r["tokens"] == 2 * r["concepts"] and r["time_s"]["median"] > 0
+    assert dechunk_data["target"]["target"] is None  # smoke sizes: the 16K / 1K target does not apply
+
+
+def test_peak_memory_sees_an_allocation():
+    got = peak_memory(lambda: torch.ones(64 * 2**20 // 4).add_(1), torch.device("cpu"))
+    assert got["bytes"] >= 32 * 2**20, got  # a 64 MiB tensor (RSS-based: page-granular, allow slack)
+
+
+def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
+                 dechunk_data):
     assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0
     text = (out_dir / "SUMMARY.md").read_text()
-    for title in ("Prefill latency", "Decode latency", "MoE layer", "Training throughput"):
+    for title in ("Prefill latency", "BEST CASE", "Decode latency", "MoE layer", "Training throughput",
+                  "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling"):
         assert title in text
+    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk"}
 
 
 def test_synthetic_fill_matches_real_prefill():
