@@ -135,6 +135,7 @@ class TrainSection(Section):
     freeze: PartFlags = PartFlags()
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
     lora: LoraSection | None = None  # null = off (full training of the lm part)
+    compile: bool = False  # torch.compile each transformer block (vlm/training/compile.py)
 
 
 class LogSection(Section):

@@ -22,6 +22,8 @@ from vlm.training.distributed import (
     resolve_device,
 )
 from vlm.training.fault_injection import Faults
+from vlm.modeling.hf import loss_only
+from vlm.training.compile import compile_blocks
 from vlm.training.model_setup import build_processor, setup_model, text_config_of
 from vlm.training.metrics import (
     MetricsLogger,
@@ -82,6 +84,10 @@ class Trainer:
         self.trainable = optim.trainable_parts(cfg)
         self.trainable_counts = (lora.apply(model, cfg, self.trainable, self.print) if cfg.train.lora
                                  else optim.apply_freeze(model, self.trainable))  # train.lora: adapters on the LM
+        loss_only(model)  # training reads the losses and boundaries, never logits: chunked CE, no [B, T, V]
+        if cfg.train.compile:
+            n = compile_blocks(model, torch.bfloat16 if self.bf16 else torch.float32)
+            self.print(f"[train] train.compile: {n} transformer blocks compiled (torch.compile)")
         self.total_counts = optim.count_params(model)
         seed_everything(cfg.seed * 1000 + 1 + self.rank)
         import deepspeed
