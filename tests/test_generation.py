@@ -293,3 +293,64 @@ def test_concept_kv_cache_512_tokens(tiny_model, make_decisive):
     assert tokens == 16 + n
     assert concepts == [int(full.num_concepts[0])] * len(state.concept_caches)
     assert concepts[0] < tokens
+
+
+def _allocated_bytes(caches) -> int:
+    return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in caches)
+
+
+def test_concept_caches_sized_at_capacity_over_R(tiny_model):
+    """``boundary_mode: fixed``, R = 2, 16-token prompt + 1,000 greedy tokens, batch 1: each concept
+    cache is allocated at ceil(capacity / 2) + 16 slots (the token caches: capacity), never grows, and
+    holds exactly the full forward's concepts; the steps' logits equal the full forward's."""
+    from vlm.modeling.generation import CONCEPT_HEADROOM
+
+    model = dev(tiny_model("tiny_concept", boundary_mode="fixed", target_ratio=2.0, concept_merge="last"))
+    prompt = dev(torch.randint(1, V, (1, 16), generator=torch.Generator().manual_seed(0)))
+    n = 1000
+    capacity = 16 + n + 1
+    state = model.start_decoding(1, capacity)
+    planned = [c.capacity for c in state.concept_caches]
+    assert planned == [-(-capacity // 2) + CONCEPT_HEADROOM] * len(planned)
+    seq, steps = [prompt], []
+    with torch.no_grad():
+        logits = model.prefill(state, prompt)
+        for _ in range(n):
+            steps.append(logits)
+            nxt = logits.argmax(-1)
+            seq.append(nxt[:, None])
+            logits = model.step(state, nxt)
+        seq = torch.cat(seq, 1)
+        full = model(seq)
+    assert [c.capacity for c in state.concept_caches] == planned  # no growth
+    assert [int(c.num_entries()[0]) for c in state.concept_caches] == [int(full.num_concepts[0])] * len(planned)
+    torch.testing.assert_close(torch.stack(steps, 1), full.logits[:, 15:-1], **tol(1e-4, 1e-4))
+    con, tok = _allocated_bytes(state.concept_caches), _allocated_bytes(state.token_caches)
+    before = tok // len(state.token_caches) * len(state.concept_caches)  # concept caches at token capacity
+    print(f"\n[generation] fixed R=2, {capacity} token slots: concept caches allocate {con} bytes "
+          f"({con / before:.3f} of the {before} bytes at token capacity)")
+    assert con / before <= 0.5 + (CONCEPT_HEADROOM + 1) / capacity
+
+
+@pytest.mark.parametrize("merge", ["last", "sum"])
+def test_concept_caches_grow_when_more_concepts_arrive(tiny_model, make_decisive, monkeypatch, merge):
+    """Planned for R = 16 (target_ratio) with headroom 2 while the decisive router compresses ~3x:
+    the concept caches grow at the prefill and during decoding, and cached decoding stays exact
+    (``check_cached_equals_full``: boundaries, entries per concept, logits, generate)."""
+    from vlm.modeling import generation
+
+    monkeypatch.setattr(generation, "CONCEPT_HEADROOM", 2)
+    grown = []
+    real_grow = generation.ConceptKVCache.grow
+
+    def spy(self, capacity):
+        if capacity > self.capacity:
+            grown.append((self.capacity, capacity))
+        real_grow(self, capacity)
+    monkeypatch.setattr(generation.ConceptKVCache, "grow", spy)
+    model = dev(make_decisive(tiny_model("tiny_concept", concept_merge=merge, target_ratio=16.0), 3))
+    ids, am = left_padded(B=2, T=20, pad=3)
+    check_cached_equals_full(model, ids, am, 30)
+    planned = -(-(20 + 30 + 1) // 16) + 2
+    assert grown and grown[0][0] == planned, grown
+    assert any(new == 2 * old for old, new in grown), grown  # a decoding step found it full

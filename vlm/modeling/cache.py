@@ -90,11 +90,12 @@ class ConceptCache(Cache):
             select_rows(self.state, rows.repeat_interleave(repeats))
 
     def ensure_capacity(self, capacity: int) -> None:
-        """Room for ``capacity`` token positions (a continued generation): KV slots are appended, empty."""
+        """Room for ``capacity`` token positions (a continued generation): token KV slots are appended,
+        empty; the concept caches (``ConceptKVCache``) grow by themselves when concepts arrive."""
         if capacity <= self.capacity:
             return
         if self.started:
-            for kv in self.state.token_caches + self.state.concept_caches:
+            for kv in self.state.token_caches:
                 extra = capacity - kv.capacity
                 kv.k = torch.cat([kv.k, kv.k.new_zeros(*kv.k.shape[:2], extra, kv.k.shape[3])], 2)
                 kv.v = torch.cat([kv.v, kv.v.new_zeros(*kv.v.shape[:2], extra, kv.v.shape[3])], 2)

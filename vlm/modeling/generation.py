@@ -9,6 +9,7 @@ holds one ``DecodeState``; see hf.py.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,49 @@ import torch
 from vlm.modeling.attention import KVCache
 from vlm.modeling.chunking import TEXT, ChunkCarry
 from vlm.modeling.conceptmoe import ConceptMoEModel
+
+
+CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
+
+
+def planned_ratio(cfg) -> float:
+    """The compression the concept caches are sized for: 1 for ``boundary_mode: all``, the rounded
+    stride for ``fixed``, else the smallest target (per-modality targets included)."""
+    if not cfg.chunking or cfg.boundary_mode == "all":
+        return 1.0
+    if cfg.boundary_mode == "fixed":
+        return float(max(1, int(round(cfg.target_ratio))))
+    return float(min(r for r in (cfg.target_ratio, cfg.image_target_ratio, cfg.text_target_ratio) if r))
+
+
+def concept_capacity(capacity: int, ratio: float) -> int:
+    """Concept slots planned for ``capacity`` token positions: ceil(capacity / R) + headroom."""
+    return math.ceil(capacity / ratio) + CONCEPT_HEADROOM
+
+
+class ConceptKVCache(KVCache):
+    """A concept layer's ``KVCache``, allocated at ``concept_capacity`` and grown (reallocated larger,
+    entries copied) when more concepts arrive than planned: to the prompt's concepts + headroom at the
+    prefill, doubled when a decoding step finds it full. The token caches keep their fixed capacity."""
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` entries: the held ones copied, the new slots empty (invalid)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+        B, H, _, D = self.k.shape
+        self.k = torch.cat([self.k, self.k.new_zeros(B, H, extra, D)], 2)
+        self.v = torch.cat([self.v, self.v.new_zeros(B, H, extra, D)], 2)
+        self.valid_BC = torch.cat([self.valid_BC, self.valid_BC.new_zeros(B, extra)], 1)
+
+    def fill(self, k_BHTD, v_BHTD, valid_BT, len_B) -> None:
+        self.grow(k_BHTD.shape[2] + CONCEPT_HEADROOM)
+        super().fill(k_BHTD, v_BHTD, valid_BT, len_B)
+
+    def step(self, k_BH1D, v_BH1D):
+        if int(self.len_B.max()) >= self.capacity:  # (KVCache.step reads the same number)
+            self.grow(2 * self.capacity)
+        return super().step(k_BH1D, v_BH1D)
 
 
 @dataclass
@@ -33,13 +77,16 @@ class DecodeState(ChunkCarry):
 
     @classmethod
     def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype) -> "DecodeState":
+        """Token caches of ``capacity`` slots; concept caches (``ConceptKVCache``) of
+        ``concept_capacity(capacity, planned_ratio(cfg))``, grown when needed."""
         cfg = model.cfg
         kv = cfg.num_key_value_heads
-        def cache(layer):
-            return KVCache(batch, kv, capacity, layer.attn.head_dim, device, dtype)
+        n_concepts = concept_capacity(capacity, planned_ratio(cfg))
         token_layers = list(model.encoder) + list(model.decoder)
-        concept = [cache(model.concept_model[i]) for i in model.schedule]
-        return cls([cache(layer) for layer in token_layers], concept)
+        tokens = [KVCache(batch, kv, capacity, layer.attn.head_dim, device, dtype) for layer in token_layers]
+        concept = [ConceptKVCache(batch, kv, n_concepts, model.concept_model[i].attn.head_dim, device, dtype)
+                   for i in model.schedule]
+        return cls(tokens, concept)
 
 
 @torch.no_grad()
