@@ -130,3 +130,25 @@ def test_chunked_peak_memory_is_lower_for_a_long_row():
     logits_bytes = T * V * 4
     print(f"peak CPU bytes: full {full / 2**20:.1f} MiB, chunked {chunked / 2**20:.1f} MiB")
     assert full >= logits_bytes and chunked < logits_bytes / 2 and chunked < full / 4
+
+
+def test_loss_only_vlm_equals_logits_forward():
+    """The VLM's forward does not pass ``return_logits`` on: ``loss_only`` (what the trainer calls)
+    reaches its language model; same loss and gradients (fp32, <= 1e-5), no logits."""
+    from test_vlm_model import build, sample_batch
+
+    model = build().train()
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    labels = ids.masked_fill((mask == 0) | (ids < 8), -100)
+    outs, grads = [], []
+    for only in (False, True):
+        loss_only(model, only)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        out = model(ids, pixels, mask, labels=labels)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert outs[0].logits is not None and outs[1].logits is None
+    assert _maxdiff(outs[1].loss, outs[0].loss) <= TOL
+    assert max(_maxdiff(grads[1][n], grads[0][n]) for n in grads[0]) <= TOL
