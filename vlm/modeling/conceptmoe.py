@@ -24,6 +24,9 @@ from vlm.modeling.chunking import IMAGE, ChunkModule, achieved_ratio, concept_co
 from vlm.modeling.dechunk import dechunk
 
 
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
 @dataclass
 class BackboneOutput:
     hidden_BTD: torch.Tensor
@@ -88,6 +91,17 @@ class ConceptMoEModel(nn.Module):
 
     def from_concept(self, x):
         return self.concept_out(x) if hasattr(self, "concept_out") else x
+
+    def set_activation_checkpointing(self, mode: str) -> int:
+        """Which part of every block (token and concept layers) the training backward recomputes:
+        "none", "selective" (the FFN half) or "full" (the whole block; see blocks.py). Returns the
+        number of blocks."""
+        if mode not in CHECKPOINT_MODES:
+            raise ValueError(f"activation checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
+        for layer in self.layers:
+            layer.gradient_checkpointing = mode == "full"
+            layer.checkpoint_ffn = mode == "selective"
+        return len(self.layers)
 
     def rope(self, position_BT, hidden: int, dtype):
         head_dim = self.cfg.head_dim or hidden // self.cfg.num_attention_heads

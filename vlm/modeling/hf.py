@@ -164,6 +164,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["TransformerBlock"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # TransformerBlock.gradient_checkpointing (blocks.py)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, trust_pickle: bool = False, **kwargs):
