@@ -13,10 +13,10 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           86 fields x 8 = 688   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           87 fields x 8 = 696   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1346   generated cases in total
+                                                   1354   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -395,6 +395,7 @@ TRAIN_RULES = {
     **{f"train.freeze.{part}": wrong_type("bool", nullable=True) for part in PARTS},
     "train.max_nonfinite_in_row": below(1),
     "train.compile": wrong_type("bool"),
+    "train.activation_checkpointing": not_one_of(("none", "selective", "full")),
     "train.lora": NOT_MAPPING,  # null = off
     "train.lora.r": below(1),
     "train.lora.alpha": bad_float(0, strict=True),

@@ -136,6 +136,8 @@ class TrainSection(Section):
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
     lora: LoraSection | None = None  # null = off (full training of the lm part)
     compile: bool = False  # torch.compile each transformer block (vlm/training/compile.py)
+    # recompute in the backward: each block's FFN half (selective) or whole block (full); vlm/training/checkpointing.py
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
 
 
 class LogSection(Section):

@@ -23,6 +23,7 @@ from vlm.training.distributed import (
 )
 from vlm.training.fault_injection import Faults
 from vlm.modeling.hf import loss_only
+from vlm.training.checkpointing import apply_activation_checkpointing
 from vlm.training.compile import compile_blocks
 from vlm.training.model_setup import build_processor, setup_model, text_config_of
 from vlm.training.metrics import (
@@ -85,6 +86,7 @@ class Trainer:
         self.trainable_counts = (lora.apply(model, cfg, self.trainable, self.print) if cfg.train.lora
                                  else optim.apply_freeze(model, self.trainable))  # train.lora: adapters on the LM
         loss_only(model)  # training reads the losses and boundaries, never logits: chunked CE, no [B, T, V]
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # recompute in the backward
         if cfg.train.compile:
             n = compile_blocks(model, torch.bfloat16 if self.bf16 else torch.float32)
             self.print(f"[train] train.compile: {n} transformer blocks compiled (torch.compile)")
