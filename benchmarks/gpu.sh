@@ -15,6 +15,7 @@
 #   moe      our MoEFeedForward (torch._grouped_mm on CUDA bf16) vs transformers' Qwen3-MoE block
 #            (eager / grouped_mm / batched_mm), two shapes, vs a bf16 8192^3 matmul peak
 #   train    configs/model/small.yaml vs small_concept.yaml, AdamW, batch 16 x 2048
+#   PACKED=1 also train_packed, attention, dechunk (see benchmarks/README.md)
 # Each writes <name>.json/.md/.png into $OUT; SUMMARY.md collects the tables at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +69,13 @@ run decode 140
 run moe 60
 run moe 50 --shape 1024,128,8,96 --sizes 64,4096,32768 --tag bench_shape
 run train 70
+# the training-path benchmarks of `make bench` (packed rows, learned router; dense mask vs DocLayout;
+# dechunk scaling): opt-in, they would take the script past 8 minutes (not yet run on a GPU)
+if [ "${PACKED:-0}" = 1 ]; then
+  run train_packed 200
+  run attention 90
+  run dechunk 40
+fi
 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$OUT" || true
 echo "gpu.sh: done in $(( $(date +%s) - START ))s; results in $OUT${FAILED:+; FAILED: ${FAILED[*]}}"
 [ ${#FAILED[@]} -eq 0 ]
