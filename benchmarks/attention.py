@@ -84,7 +84,8 @@ def run(argv=None) -> dict:
     ap.add_argument("--dense-max", default=None,
                     help="longest row timed with the dense mask (default 8K on the CPU: 12 s per call there; "
                          "16K on CUDA: the [T, T] mask alone is T^2 bytes)")
-    ap.add_argument("--mem-reps", type=int, default=1, help="peak-memory calls per variant (median)")
+    ap.add_argument("--mem-reps", type=int, default=3,
+                    help="peak-memory calls per variant (median; the CPU RSS mark varies ~+-20%% call to call)")
     args = ap.parse_args(argv)
     s = setup(NAME, args, PRESETS, REPS)
     log = logger(s)
@@ -119,8 +120,8 @@ def run(argv=None) -> dict:
               f"rows = the {DOCS} documents as {DOCS} rows, plain causal SDPA\n"
               f"- the mask / layout is built once per stack in a model forward: built outside the timed call, "
               f"its build time (one call) and bytes reported apart\n"
-              f"- peak memory: {results[0]['peak_method'] if results else 'n/a'}, one extra untimed call per "
-              f"variant, above what was allocated before it (inputs, weights, mask)\n" + lines + skipped
+              f"- peak memory: {results[0]['peak_method'] if results else 'n/a'}, median of {args.mem_reps} extra "
+              f"untimed calls per variant, above what was allocated before it (inputs, weights, mask)\n" + lines + skipped
               + "\n" + table + "\n")
         return {"layer": {"hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": layer.head_dim},
                 "docs": DOCS, "dense_max": dense_max, "target_ratio": TARGET, "results": results}, md
@@ -159,6 +160,7 @@ def run(argv=None) -> dict:
         for k in variants:
             per_round = [a / b for a, b in zip(comp.times[k], comp.times["rows"])]
             res[k] = {"time_s": comp.stats(k), "over_rows_time": stats(per_round), "peak_bytes": mem[k]["bytes"],
+                      "peak_samples": mem[k]["samples"],
                       "over_rows_memory": mem[k]["bytes"] / mem["rows"]["bytes"] if mem["rows"]["bytes"] else None,
                       "raw_times": comp.times[k]}
         if dense is not None:

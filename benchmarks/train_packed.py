@@ -226,7 +226,8 @@ def run(argv=None) -> dict:
                  if calib["adjusted"] else "")
               + f" -> **{calib['eval_ratio_after']:.3f}** (target {calib['target_ratio']}, within 10%: "
               f"{'yes' if calib['within_tolerance'] else 'NO'})\n"
-              f"- peak memory: {ok[0]['peak_method'] if ok else 'n/a'}, one extra untimed step per model\n"
+              f"- peak memory: {ok[0]['peak_method'] if ok else 'n/a'}, median of {args.mem_reps} extra untimed step(s) "
+              f"per model (CPU: the RSS mark varies ~+-20% call to call; raise --mem-reps)\n"
               + "".join(f"- T={r['seq_len']:,}: ConceptMoE step speedup **{fmt_pct(r['speedup']['median_of_ratios'])}**"
                         f" [{fmt_pct(r['speedup']['ratio_q1'])}, {fmt_pct(r['speedup']['ratio_q3'])}], R in "
                         f"the timed steps {r['achieved_ratio_train']:.3f}, eval R {r['achieved_ratio_eval']:.3f}\n"
@@ -275,7 +276,7 @@ def run(argv=None) -> dict:
         for tag in models:
             st = comp.stats(tag)
             res[tag] = {"step_s": st, "tokens_per_s": args.batch * T / st["median"],
-                        "peak_bytes": mem[tag]["bytes"], "loss_first_last": [losses[tag][0], losses[tag][-1]]}
+                        "peak_bytes": mem[tag]["bytes"], "peak_samples": mem[tag]["samples"], "loss_first_last": [losses[tag][0], losses[tag][-1]]}
         results.append(res)
         for tag in models:
             c = tag == "concept"
