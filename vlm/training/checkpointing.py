@@ -8,10 +8,11 @@ keeping (the model's ``ConceptMoEModel.set_activation_checkpointing``, blocks.py
   redo; the attention half keeps 6.6 MiB for ~2.2 GFLOP, its core quadratic in the document length);
 - ``full``: every block (token and concept layers) is recomputed; only its input is kept.
 
-Applied by the trainer after the model is built (before ``train.compile``: the checkpoint wraps the
-compiled block). The chunker, dechunk and the loss run outside the blocks, so boundary decisions and
-the chunker's noise are drawn once; losses and gradients are those of ``none``
-(tests/test_activation_checkpointing.py).
+Applied by the trainer after the model is built. The checkpoint call is inside the block's
+``forward``, so ``train.compile`` traces it with the block (same results, aot_eager and inductor);
+ZeRO-3 gathers the parameters again for the recompute. The chunker, dechunk and the loss run
+outside the blocks, so boundary decisions and the chunker's noise are drawn once; losses and
+gradients are those of ``none`` (tests/test_activation_checkpointing.py).
 """
 from __future__ import annotations
 
