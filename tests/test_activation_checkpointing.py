@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import build_model
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
 
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
 from vlm.modeling.blocks import TransformerBlock
@@ -162,13 +163,24 @@ def test_gradient_checkpointing_enable_is_full(kind):
     assert not any(b.gradient_checkpointing for b in blocks)
     assert_same(step(model, batch), want)
     assert counts.take() == plain
+    # disable leaves torch's bare checkpoint (reentrant by default) on the blocks: the setter replaces it
+    apply_activation_checkpointing(model, "full")
+    assert_same(step(model, batch), want)
+    assert counts.take() == {"attn": 2 * plain["attn"], "ffn": 2 * plain["ffn"]}
 
 
-def test_reentrant_checkpointing_is_refused():
-    """Reentrant checkpoint returns the MoE stats without their graph: refused, one line."""
+@pytest.mark.parametrize("how", ["use_reentrant=True", "bare checkpoint"])
+def test_reentrant_checkpointing_is_refused(how):
+    """Reentrant checkpoint (also torch's default when use_reentrant is unset) returns the MoE stats
+    without their graph (silently wrong gradients): refused, one line."""
     model = build_model("tiny_concept").train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="^TransformerBlock: reentrant checkpointing detaches the MoE aux losses"):
+    if how == "bare checkpoint":
+        model.activation_checkpointing_enable()
+        for block in model.model.layers:
+            block._gradient_checkpointing_func = checkpoint
+    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=r"^TransformerBlock: reentrant checkpointing \(use_reentrant=True or unset\)"):
         model(**packed_rows())
 
 

@@ -25,8 +25,8 @@ from vlm.config import AttentionConfig, MoEConfig
 from vlm.modeling.attention import Attention, KVCache, RMSNorm
 from vlm.modeling.moe import MoEFeedForward, MoEStats, SwiGLU
 
-REENTRANT = ("TransformerBlock: reentrant checkpointing detaches the MoE aux losses (not tensor outputs); "
-             "pass use_reentrant=False")
+REENTRANT = ("TransformerBlock: reentrant checkpointing (use_reentrant=True or unset) detaches the MoE aux losses "
+             "(not tensor outputs); pass use_reentrant=False")
 
 
 class TransformerBlock(nn.Module):
@@ -72,6 +72,7 @@ class TransformerBlock(nn.Module):
         return self.training and cache is None and torch.is_grad_enabled()
 
     def _checkpointed(self, fn, *args):
-        if getattr(self._gradient_checkpointing_func, "keywords", {}).get("use_reentrant", False):
+        func = self._gradient_checkpointing_func
+        if func is checkpoint or (isinstance(func, partial) and func.keywords.get("use_reentrant", True)):
             raise ValueError(REENTRANT)
-        return self._gradient_checkpointing_func(fn, *args)
+        return func(fn, *args)

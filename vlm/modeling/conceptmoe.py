@@ -94,13 +94,15 @@ class ConceptMoEModel(nn.Module):
 
     def set_activation_checkpointing(self, mode: str) -> int:
         """Which part of every block (token and concept layers) the training backward recomputes:
-        "none", "selective" (the FFN half) or "full" (the whole block; see blocks.py). Returns the
+        "none", "selective" (the FFN half) or "full" (the whole block; see blocks.py), with the
+        non-reentrant torch checkpoint (transformers' ``..._disable`` leaves a bare one). Returns the
         number of blocks."""
         if mode not in CHECKPOINT_MODES:
             raise ValueError(f"activation checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
         for layer in self.layers:
             layer.gradient_checkpointing = mode == "full"
             layer.checkpoint_ffn = mode == "selective"
+            layer._gradient_checkpointing_func = type(layer)._gradient_checkpointing_func
         return len(self.layers)
 
     def rope(self, position_BT, hidden: int, dtype):
