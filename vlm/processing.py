@@ -10,6 +10,7 @@ used, which ``from_pretrained`` still reads).
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -279,6 +280,16 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
         kwargs.setdefault("trust_remote_code", False)
         if kwargs.get("image_transform") is not None:
             kwargs["image_processor"] = ConceptMoEImageProcessor.from_transform(kwargs.pop("image_transform"))
+        saved = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder", ""), PROCESSOR_CONFIG)
+        if kwargs.get("image_processor") is None and os.path.isfile(saved):
+            # our image settings, nested or flat (earlier exports), so that transformers' own lookup
+            # (which needs the nested layout in some versions) is never asked for them
+            with open(saved, encoding="utf-8") as f:
+                processor_dict = json.load(f)
+            settings = processor_dict.get("image_processor") or {k: processor_dict[k] for k in IMAGE_SETTINGS
+                                                                 if k in processor_dict}
+            settings = {k: v for k, v in settings.items() if k in IMAGE_SETTINGS}
+            kwargs["image_processor"] = ConceptMoEImageProcessor(**settings)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
