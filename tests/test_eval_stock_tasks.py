@@ -219,10 +219,7 @@ def test_stock_tasks_simple_interface(stock_runs):
     assert results["config"]["model_backend"].endswith("(simple)"), results["config"]["model_backend"]
     _check_metrics(results, SIMPLE_TASKS, "simple", log)
     # every generation task got text from the model (random text: scores are 0 or chance)
-    for task in SIMPLE_TASKS:
-        if task != "mmlu_abstract_algebra":
-            replies = [_reply(row) for row in _samples(folder, task)]
-            assert len(replies) == LIMIT and all(isinstance(r, str) and r.strip() for r in replies), (task, replies)
+    _check_replies(folder, [task for task in SIMPLE_TASKS if task != "mmlu_abstract_algebra"])
     # each reported number is what the logged samples say
     for task, key in (("scienceqa_img", "exact_match"), ("chartqa", "relaxed_overall")):
         rows = _samples(folder, task)
@@ -244,6 +241,13 @@ def _samples(folder, task) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _check_replies(folder, tasks) -> None:
+    """Every sample of each generation task holds non-empty text from the model."""
+    for task in tasks:
+        replies = [_reply(row) for row in _samples(folder, task)]
+        assert len(replies) == LIMIT and all(isinstance(r, str) and r.strip() for r in replies), (task, replies)
+
+
 def _reply(row):
     reply = row["filtered_resps"]
     while isinstance(reply, list):
@@ -257,9 +261,7 @@ def test_stock_tasks_chat_interface(stock_runs):
     # lmms-eval built message tasks (ConfigurableMessagesTask) for a model with is_simple False
     assert results["config"]["model_backend"].endswith("(chat)"), results["config"]["model_backend"]
     _check_metrics(results, CHAT_TASKS, "chat", log)
-    for task in CHAT_TASKS:
-        replies = [_reply(row) for row in _samples(folder, task)]
-        assert len(replies) == LIMIT and all(isinstance(r, str) and r.strip() for r in replies), (task, replies)
+    _check_replies(folder, CHAT_TASKS)
 
 
 # ----- the chat interface's message conversion (no lmms-eval run) -----

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+from functools import lru_cache
 from pathlib import Path
 
 PACKAGES = ("vlm", "vision_encoders", "data_pipelines")
@@ -52,6 +53,7 @@ def _absolute(node: ast.ImportFrom, module: str) -> str:
     return ".".join(parts + ([node.module] if node.module else []))
 
 
+@lru_cache(maxsize=None)
 def _top_level_names(path: Path) -> dict[str, str | None]:
     """Names a module binds at top level: name -> None (defined here) or the module it imports it from."""
     tree, module = ast.parse(path.read_text(encoding="utf-8")), _module_of(path)
@@ -100,6 +102,7 @@ def defining_module(module: str, name: str) -> tuple[str, bool]:
     return defining_module(source, attr)
 
 
+@lru_cache(maxsize=None)
 def _lazy_exports(path: Path) -> dict[str, str]:
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):

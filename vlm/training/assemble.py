@@ -103,6 +103,12 @@ def grow_embeddings(sd: dict, vocab_size: int, new_ids: list[int], n_original: i
         sd[key] = weight
 
 
+def shape_mismatches(source: dict, expected: dict) -> list[str]:
+    """``"name (source shape) vs (expected shape)"`` for every tensor both hold with different shapes."""
+    return [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in source.items()
+            if k in expected and v.shape != expected[k].shape]
+
+
 def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, say) -> None:
     """Copy ``llm`` into the model's language model (strict); one log line."""
     from vision_encoders.hub import weights_digest
@@ -110,9 +116,7 @@ def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, s
     target = getattr(model, "language_model", model)
     vocab = target.config.vocab_size
     grow_embeddings(llm.state_dict, vocab, new_ids, n_original)
-    expected = target.state_dict()
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in llm.state_dict.items()
-           if k in expected and v.shape != expected[k].shape]
+    bad = shape_mismatches(llm.state_dict, target.state_dict())
     if bad:
         raise fail("model.llm", f"{llm.path}: shape mismatch with the configured model: {bad[:3]}")
     result = target.load_state_dict(llm.state_dict, strict=False)

@@ -137,13 +137,11 @@ def init_weights_from(model, path: str, kind: str, say=print) -> None:
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as cls
     else:
         from vlm.modeling.hf import ConceptMoEForCausalLM as cls
-    src = cls.from_pretrained(path)
-    expected = model.state_dict()
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in src.state_dict().items()
-           if k in expected and v.shape != expected[k].shape]
+    source = cls.from_pretrained(path).state_dict()
+    bad = assemble.shape_mismatches(source, model.state_dict())
     if bad:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model (shapes {bad[:3]})")
-    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(source, strict=False)
     missing = [m for m in missing if not m.endswith("lm_head.weight") or not model.config.tie_word_embeddings]
     if missing or unexpected:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model "
