@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_KEYS = ("kind", "preset", "llm", "tokenizer", "init_from")
 DATA_LOADER_KEYS = ("root", "max_length", "packing", "padding_side", "pad_to_max_length",
                     "max_bad_fraction", "min_samples_for_bad_check", "block_size", "shuffle",
-                    "num_samples", "datasets")
+                    "num_samples", "datasets", "index_cache_dir")
 
 
 def _plain_name(name: str) -> str:
@@ -79,13 +79,14 @@ class ModelSection(Section):
 
 
 class DatasetEntry(Section):
-    """One ``data.datasets`` entry as ``data_pipelines.mixture.build_sources`` reads it."""
+    """One ``data.datasets`` entry as ``data_pipelines.sources.build_sources`` reads it."""
     name: Text | None = None
     type: Literal[DATASET_TYPES]
     path: Text
     image_root: Text | None = None
     weight: Num(ge=0) = 1.0
     max_image_pixels: PosInt | None = None
+    caption_prompt: Text | None = None  # webdataset: the question of a .txt-caption sample
 
 
 class DataSection(Section):
@@ -103,6 +104,7 @@ class DataSection(Section):
     block_size: PosInt | None = None
     shuffle: bool | None = None
     num_samples: PosInt | None = None
+    index_cache_dir: Text | None = None  # LLaVA record indexes when the data folder is not writable
     datasets: Annotated[list[dict], Field(min_length=1)] | None = None  # entries: DatasetEntry
     synthetic_vocab: Annotated[int, Field(ge=8)] = 64  # synthetic data: learnable integer sequences
 
@@ -182,6 +184,11 @@ class EvalSection(Section):
     breakdown_by: Text | None = None  # a record field (e.g. kind): accuracy per value too; null = none
 
 
+class ParallelSection(Section):
+    """How the ranks split the model (data parallelism over all ranks is always on)."""
+    expert_parallel_size: PosInt = 1  # experts sharded over groups of N ranks (vlm/training/expert_parallel.py)
+
+
 class TrainConfig(Section):
     name: Annotated[str, AfterValidator(_plain_name)] = "run"
     output_dir: Text = "runs"
@@ -198,6 +205,7 @@ class TrainConfig(Section):
     log: LogSection = LogSection()
     checkpoint: CheckpointSection = CheckpointSection()
     eval: EvalSection = EvalSection()
+    parallel: ParallelSection = ParallelSection()
     _source: str | None = PrivateAttr(None)  # the YAML it came from (informational)
 
     @property

@@ -46,7 +46,7 @@ class TransformerBlock(nn.Module):
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoEFeedForward)
+        return not isinstance(self.ffn, SwiGLU)  # routed: MoEFeedForward, or its expert-parallel form
 
     def forward(self, x_BTD: torch.Tensor, cos_sin, mask=None, valid_BT=None, cache: KVCache | None = None,
                 fill=None, concept_BTD=None) -> tuple[torch.Tensor, MoEStats | None]:

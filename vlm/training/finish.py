@@ -10,6 +10,7 @@ from pathlib import Path
 from vlm.training import lora
 from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
+from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
 from vlm.training.state import Progress, RunContext
 
 
@@ -24,6 +25,9 @@ def export_hf(ctx: RunContext) -> Path:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             if ctx.is_main:
                 state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    elif is_expert_parallel(module):  # collective: each expert-parallel group gathers its experts
+        full = full_state_dict(module)
+        state = {k: v.detach().float().cpu().clone() for k, v in full.items()} if ctx.is_main else None
     else:
         state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if ctx.is_main else None
     if ctx.is_main:

@@ -131,6 +131,12 @@ def param_groups(model: nn.Module, cfg) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
     groups = param_groups(model, cfg)
     torch_groups = [{k: v for k, v in g.items() if k != "param_names"} for g in groups]
+    if any(getattr(p, "allreduce", True) is False for g in torch_groups for p in g["params"]):
+        # sharded experts (expert parallelism): DeepSpeed's MoE groups, named after their expert-parallel
+        # group, which ZeRO partitions and reduces over the expert-data-parallel group
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        torch_groups = split_params_into_different_moe_groups_for_optimizer(torch_groups)
     return torch.optim.AdamW(torch_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
                              weight_decay=cfg.train.weight_decay, foreach=False)
 

@@ -1,0 +1,90 @@
+"""Expert parallelism (vlm/training/expert_parallel.py) on CPU / gloo: the same losses and parameters
+as plain data parallelism on the same ranks and global batch, exact resume under EP, the export
+gathers every expert, and the settings EP cannot serve stop with one line."""
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import _train_helpers as helpers
+from vlm.config.core import ConfigError
+
+STEPS = 10
+# AdamW's m / (sqrt(v) + eps) turns the last-bit differences of a near-cancelling expert gradient
+# (EP sums both ranks' rows in one GEMM, DP sums two GEMMs) into lr-sized steps when eps is 1e-8;
+# eps 1e-6 keeps those updates proportional to the gradient, so the comparison sees the dispatch only
+EPS = 1.0e-6
+
+
+def _train(tmp, name, nproc, ep, args=(), **extra):
+    raw = helpers.config(tmp, name=name, train={"max_steps": STEPS, "eps": EPS, **extra.pop("train", {})},
+                         checkpoint={"every_steps": 5, "keep_last": 3, "export_hf": True},
+                         parallel={"expert_parallel_size": ep}, **extra)
+    proc = helpers.launch(helpers.write_config(tmp, raw, f"{name}.yaml"), nproc=nproc, args=args, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc
+
+
+def _params(run_dir):
+    return load_file(glob.glob(str(run_dir / "hf" / "*.safetensors"))[0])
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _loss_diff(ra, rb) -> float:
+    la, lb = helpers.losses(ra), helpers.losses(rb)
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    return max(abs(la[s] - lb[s]) for s in la)
+
+
+@pytest.mark.parametrize("nproc, eps", [(2, (2,)), (4, (2, 4))])
+def test_ep_matches_data_parallel(tmp_path, nproc, eps):
+    ref = tmp_path / f"dp{nproc}"
+    _train(tmp_path, ref.name, nproc, 1)
+    for ep in eps:
+        run = tmp_path / f"ep{ep}_of_{nproc}"
+        proc = _train(tmp_path, run.name, nproc, ep)
+        assert f"sharded over groups of {ep} ranks" in proc.stdout
+        dl, dp = _loss_diff(ref, run), _max_diff(_params(ref), _params(run))
+        print(f"{nproc} ranks, EP={ep} vs DP: max |loss diff| {dl:.2e}, max |param diff| {dp:.2e}")
+        assert dl <= 1e-5 and dp <= 1e-5
+
+
+def test_ep_resume_is_exact(tmp_path):
+    full = tmp_path / "full"
+    _train(tmp_path, full.name, 2, 2)
+    files = sorted(p.name for p in (full / "ckpt" / "step_000005").iterdir())
+    assert sum(n.startswith("layer_") and "_expert_" in n for n in files) == 4 * 8  # one file per expert and layer
+    resumed = tmp_path / "resumed"
+    _train(tmp_path, resumed.name, 2, 2, args=("--resume", str(full / "ckpt" / "step_000005")))
+    la, lb = helpers.losses(full), helpers.losses(resumed)
+    assert [la[s] for s in range(6, STEPS + 1)] == [lb[s] for s in range(6, STEPS + 1)]
+    assert _max_diff(_params(full), _params(resumed)) == 0.0
+
+
+def test_ep_refused_by_the_trainer_with_one_line(tmp_path):
+    raw = helpers.config(tmp_path, train={"max_steps": 1}, checkpoint={"every_steps": 0, "export_hf": False},
+                         parallel={"expert_parallel_size": 2})
+    with pytest.raises(ConfigError) as err:
+        helpers.run_inprocess(raw, tmp_path)
+    assert "must divide the world size 1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ep_refuses_zero3_and_indivisible_experts(tmp_path):
+    from vlm.config.train import TrainConfig
+    from vlm.training.expert_parallel import check_supported
+    from vlm.modeling.moe import MoEFeedForward
+    from vlm.config import MoEConfig
+
+    cfg = TrainConfig(parallel={"expert_parallel_size": 4})
+    model = torch.nn.ModuleList([MoEFeedForward(8, MoEConfig(num_experts=6, top_k=2, moe_intermediate_size=4))])
+    with pytest.raises(ConfigError) as err:
+        check_supported(cfg, world_size=4, model=model, zero_stage=3)
+    msg = str(err.value)
+    assert "divide the number of experts 6" in msg and "ZeRO-3" in msg and "\n" not in msg
