@@ -93,3 +93,40 @@ def test_ep_refuses_zero3_and_indivisible_experts(tmp_path):
         check_supported(cfg, world_size=4, model=model, zero_stage=3)
     msg = str(err.value)
     assert "divide the number of experts 6" in msg and "ZeRO-3" in msg and "\n" not in msg
+
+
+def test_dispatch_matches_the_unsharded_layer_in_one_process():
+    """ExpertParallelMoE over a 1-rank group is the unsharded layer exactly (outputs, losses,
+    counts, every gradient), and reads the host at its one named point only."""
+    import copy
+
+    from vlm.config import MoEConfig
+    from vlm.modeling.moe import MoEFeedForward, init_moe_weights
+    from vlm.modeling.syncs import counting
+    from vlm.training.distributed import init_distributed
+    from vlm.training.expert_parallel import EP_SPLIT_SYNC, ExpertParallelMoE
+
+    init_distributed("cpu")
+    torch.manual_seed(0)
+    moe = MoEFeedForward(16, MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=8,
+                                       shared_expert_intermediate_size=8))
+    init_moe_weights(moe, 0.2)
+    ep = ExpertParallelMoE(copy.deepcopy(moe), ep_size=1, ep_rank=0)
+    ep.ep_group = torch.distributed.group.WORLD
+    x_BTD = torch.randn(2, 7, 16)
+    valid_BT = torch.ones(2, 7, dtype=torch.bool)
+    valid_BT[1, 5:] = False  # padding never reaches the experts
+    xa, xb = x_BTD.clone().requires_grad_(), x_BTD.clone().requires_grad_()
+    ya, sa = moe(xa, valid_BT)
+    with counting() as seen:
+        yb, sb = ep(xb, valid_BT)
+        (yb.square().sum() + sb.lb_loss + sb.z_loss).backward()
+    assert seen == {EP_SPLIT_SYNC: 1}
+    (ya.square().sum() + sa.lb_loss + sa.z_loss).backward()
+    torch.testing.assert_close(yb, ya, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sb.lb_loss, sa.lb_loss, rtol=0, atol=1e-6)
+    assert torch.equal(sb.tokens_per_expert, sa.tokens_per_expert)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=1e-6)
+    for mine, theirs in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
+        torch.testing.assert_close(getattr(ep.experts, mine).grad, getattr(moe, theirs).grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ep.router.weight.grad, moe.router.weight.grad, rtol=0, atol=1e-6)
