@@ -46,31 +46,36 @@ def _loss_diff(ra, rb) -> float:
     return max(abs(la[s] - lb[s]) for s in la)
 
 
-@pytest.mark.parametrize("nproc, eps", [(2, (2,)), (4, (2, 4))])
-def test_ep_matches_data_parallel(tmp_path, nproc, eps):
-    ref = tmp_path / f"dp{nproc}"
-    _train(tmp_path, ref.name, nproc, 1)
-    for ep in eps:
-        run = tmp_path / f"ep{ep}_of_{nproc}"
-        # the last run also recomputes every block in the backward (all-to-alls included)
-        recompute = {"activation_checkpointing": "full"} if ep == eps[-1] and nproc == 4 else {}
-        proc = _train(tmp_path, run.name, nproc, ep, train=recompute)
-        assert f"sharded over groups of {ep} ranks" in proc.stdout
-        dl, dp = _loss_diff(ref, run), _max_diff(_params(ref), _params(run))
-        print(f"{nproc} ranks, EP={ep} vs DP: max |loss diff| {dl:.2e}, max |param diff| {dp:.2e}")
-        assert dl <= 1e-5 and dp <= 1e-5
+def _compare(ref, run, nproc, ep):
+    dl, dp = _loss_diff(ref, run), _max_diff(_params(ref), _params(run))
+    print(f"{nproc} ranks, EP={ep} vs DP: max |loss diff| {dl:.2e}, max |param diff| {dp:.2e}")
+    assert dl <= 1e-5 and dp <= 1e-5
 
 
-def test_ep_resume_is_exact(tmp_path):
-    full = tmp_path / "full"
-    _train(tmp_path, full.name, 2, 2)
-    files = sorted(p.name for p in (full / "ckpt" / "step_000005").iterdir())
-    assert sum(n.startswith("layer_") and "_expert_" in n for n in files) == 4 * 8  # one file per expert and layer
+def test_ep_two_ranks_matches_data_parallel_and_resumes_exactly(tmp_path):
+    ref, run = tmp_path / "dp2", tmp_path / "ep2"
+    _train(tmp_path, ref.name, 2, 1)
+    proc = _train(tmp_path, run.name, 2, 2)
+    assert "sharded over groups of 2 ranks" in proc.stdout
+    _compare(ref, run, 2, 2)
+    files = [p.name for p in (run / "ckpt" / "step_000005").iterdir()]
+    assert sum(n.startswith("layer_") and "_expert_" in n for n in files) == 4 * 8  # DeepSpeed: a file per expert
     resumed = tmp_path / "resumed"
-    _train(tmp_path, resumed.name, 2, 2, args=("--resume", str(full / "ckpt" / "step_000005")))
-    la, lb = helpers.losses(full), helpers.losses(resumed)
+    _train(tmp_path, resumed.name, 2, 2, args=("--resume", str(run / "ckpt" / "step_000005")))
+    la, lb = helpers.losses(run), helpers.losses(resumed)
     assert [la[s] for s in range(6, STEPS + 1)] == [lb[s] for s in range(6, STEPS + 1)]
-    assert _max_diff(_params(full), _params(resumed)) == 0.0
+    assert _max_diff(_params(run), _params(resumed)) == 0.0
+
+
+def test_ep_four_ranks_matches_data_parallel(tmp_path):
+    """EP = 2 on 4 ranks: two expert-parallel groups, expert gradients reduced over expert-data-parallel
+    pairs; EP = 4 also recomputes every block in the backward (all-to-alls included)."""
+    ref = tmp_path / "dp4"
+    _train(tmp_path, ref.name, 4, 1)
+    for ep, train in ((2, {}), (4, {"activation_checkpointing": "full"})):
+        run = tmp_path / f"ep{ep}_of_4"
+        _train(tmp_path, run.name, 4, ep, train=train)
+        _compare(ref, run, 4, ep)
 
 
 def test_ep_refused_by_the_trainer_with_one_line(tmp_path):
