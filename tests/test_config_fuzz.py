@@ -13,10 +13,10 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           87 fields x 8 = 696   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           90 fields x 8 = 721   load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
-                                                   1354   generated cases in total
+                                                   1379   generated cases in total
 
 (the exact numbers are printed at teardown: "config fuzz examples run [profile ci]: ...").
 The CLI surfaces these as one line on stderr and exit code 2 (``test_cli_bad_override_is_one_line``).
@@ -424,6 +424,9 @@ TRAIN_RULES = {
     "eval.every_steps": below(0),
     "eval.periodic_limit": below(1),
     "eval.breakdown_by": empty_path(),
+    "data.index_cache_dir": empty_path(),
+    "parallel": NOT_MAPPING,
+    "parallel.expert_parallel_size": below(1),
 }
 
 
