@@ -13,7 +13,7 @@ Examples per test in the ``ci`` profile (8 per field; ``VLM_FUZZ_PROFILE=faults`
     test_fuzz_model_config           46 fields x 8 = 368   ConceptMoEConfig from sectioned YAML + overrides
     test_fuzz_vlm_config             19 fields x 8 = 152   ConceptMoEVLMConfig.from_sections (the YAML route)
     test_fuzz_vlm_text_config        46 fields x 3 = 138   the language-model fields under the VLM's ``text:``
-    test_fuzz_train_config           90 fields x 8 = 721   load_train_config(raw + dotted overrides); the
+    test_fuzz_train_config           90 fields: 721       load_train_config(raw + dotted overrides); the
                                                            model keys (``model.moe.top_k``) via build_model_config
                                                    ----
                                                    1379   generated cases in total
