@@ -21,7 +21,7 @@ from benchmarks.cli import RESULTS
 from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
-BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk")
+BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel")
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import attention, dechunk, decode, moe, prefill, run_all, train, train_packed
+from benchmarks import attention, dechunk, decode, expert_parallel, moe, prefill, run_all, train, train_packed
 from benchmarks.cli import parse_sizes
 from benchmarks.harness import interleaved, peak_memory, stats
 from benchmarks.model_pair import build_model, load_pair, random_ids
@@ -71,6 +71,11 @@ def attention_data(out_dir):
 @pytest.fixture(scope="module")
 def dechunk_data(out_dir):
     return _run(dechunk, out_dir)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_data(out_dir):
+    return _run(expert_parallel, out_dir)
 
 
 def test_prefill_smoke(prefill_data):
@@ -189,19 +194,34 @@ def test_dechunk_smoke(dechunk_data):
     assert [t["target"] for t in dechunk_data["targets"]] == [None]  # smoke sizes: the 16K / 1K target does not apply
 
 
+def test_expert_parallel_smoke(expert_parallel_data):
+    d = expert_parallel_data
+    assert d["ranks"] == 2 and d["shape"] == expert_parallel.SHAPES["smoke"]
+    (r,) = d["results"]
+    assert r["tokens_per_rank"] == expert_parallel.PRESETS["smoke"][0]
+    assert r["ep_over_dp"]["median"] > 0 and 0 < r["exchange_share_of_ep"]["median"]
+    for rank in r["per_rank"]:
+        assert max(rank["max_abs_diff"].values()) < 1e-5  # EP computes the layer DP computes
+        assert 0 < rank["rows_sent"] < rank["assignments"]  # some assignments leave the rank, not all
+    presets = d["accountant"]["presets"]
+    moe_b, con_b = (presets[n]["all-to-all bytes/step/GPU (fwd+bwd)"] for n in expert_parallel.PAPER)
+    assert moe_b > 0 and con_b > 0 and presets[expert_parallel.PAPER[0]]["saved by EP=8"] > 0
+
+
 def test_peak_memory_sees_an_allocation():
     got = peak_memory(lambda: torch.ones(64 * 2**20 // 4).add_(1), torch.device("cpu"))
     assert got["bytes"] >= 32 * 2**20, got  # a 64 MiB tensor (RSS-based: page-granular, allow slack)
 
 
 def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
-                 dechunk_data):
+                 dechunk_data, expert_parallel_data):
     assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0
     text = (out_dir / "SUMMARY.md").read_text()
     for title in ("Prefill latency", "BEST CASE", "Decode latency", "MoE layer", "Training throughput",
-                  "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling"):
+                  "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling",
+                  "Expert parallelism"):
         assert title in text
-    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk"}
+    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk", "expert_parallel"}
 
 
 def test_synthetic_fill_matches_real_prefill():

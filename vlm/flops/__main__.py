@@ -1,4 +1,5 @@
-"""CLI of the FLOP accountant and matcher: ``python -m vlm.flops --config <model YAML> [--solve ...]``."""
+"""CLI of the FLOP accountant and matcher: ``python -m vlm.flops --config <model YAML> [--solve ...]``;
+``--ep N``: the expert-parallel all-to-all bytes per step and expert memory per GPU (``vlm.flops.comm``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from vlm.config import ConceptMoEConfig
 from vlm.flops.accountant import compare_table, single_table
+from vlm.flops.comm import ep_table
 from vlm.flops.matching import solve_match, solve_report, write_yaml
 
 
@@ -29,8 +31,20 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-times", type=int, default=None)
     ap.add_argument("--concept-merge", default=None)
     ap.add_argument("--header", default=None, help="with --out: first comment line of the YAML")
+    ap.add_argument("--ep", type=int, default=None,
+                    help="expert-parallel size: print the all-to-all bytes per step and the expert memory per GPU "
+                         "(with --match-to: both configs)")
+    ap.add_argument("--tokens-per-gpu", type=int, default=8192, help="with --ep: tokens per GPU per step")
+    ap.add_argument("--world", type=int, default=None, help="with --ep: GPUs in all (default: --ep)")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(1, 2), help="with --ep: ZeRO stage")
     args = ap.parse_args(argv)
     cfg = ConceptMoEConfig.from_yaml(args.config)
+    if args.ep:
+        cfgs = {Path(args.config).stem: cfg}
+        if args.match_to:
+            cfgs[Path(args.match_to).stem] = ConceptMoEConfig.from_yaml(args.match_to)
+        print(ep_table(cfgs, args.tokens_per_gpu, args.ep, args.world, args.dtype_bytes, args.zero_stage, args.ratio))
+        return 0
     if args.solve:
         opts = {k: v for k, v in (("encoder_layers", args.encoder_layers), ("decoder_layers", args.decoder_layers),
                                   ("joint_decoding_layers", args.joint_decoding_layers),
