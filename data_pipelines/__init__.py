@@ -17,7 +17,7 @@ _EXPORTS = {
     "ImageTransform": "images", "load_image": "images", "to_rgb": "images",
     "LlavaJsonDataset": "llava_json", "MixtureDataset": "mixture", "MixtureLoader": "mixture",
     "TooMuchBadData": "mixture", "build_loader": "mixture", "TextCorpusDataset": "text_corpus",
-    "WebDatasetShards": "webdataset_shards",
+    "WebDatasetShards": "webdataset_shards", "WebDatasetSource": "stream_source",
 }
 __all__ = list(_EXPORTS)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # dataset types a mixture can read (the training config validates against this list)
-DATASET_TYPES = ("llava_json", "text")
+DATASET_TYPES = ("llava_json", "text", "webdataset")
 
 # --- special tokens (exact strings shared with the model, eval and generation code) ---
 PAD_TOKEN = "<|pad|>"

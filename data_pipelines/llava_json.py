@@ -9,20 +9,23 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 from torch.utils.data import Dataset
 
+from . import jsonl_index
 from .common import JSON_ERRORS, Skip, check_conversation, has_surrogates
 from .images import DEFAULT_MAX_PIXELS, load_image
 
 
 class LlavaJsonDataset(Dataset):
-    """Records are kept as one bytes blob + numpy offsets (JSONL: file byte offsets, read on demand),
-    not as a list of dicts, so forked DataLoader workers do not copy-on-write the index. A JSON-list
-    file that cannot be parsed at all raises here, at construction, not mid-run."""
+    """Records are located through a byte-span index (`jsonl_index.py`): built once per file version,
+    saved next to the data or under `index_cache_dir`, memory-mapped (forked DataLoader workers
+    share its pages), and read on demand from the file. A JSON-list file that cannot be parsed
+    raises here, at construction, not mid-run. `collective_index=True` (the training loader, built
+    by every rank): rank 0 builds the index while the other ranks wait at a barrier."""
 
     def __init__(self, path: str, image_root: str | None = None,
-                 max_image_pixels: int = DEFAULT_MAX_PIXELS, name: str | None = None):
+                 max_image_pixels: int = DEFAULT_MAX_PIXELS, name: str | None = None,
+                 index_cache_dir: str | None = None, collective_index: bool = False):
         self.path = str(path)
         self.image_root = str(image_root) if image_root is not None else os.path.dirname(self.path)
         self.max_image_pixels = int(max_image_pixels)
@@ -30,46 +33,16 @@ class LlavaJsonDataset(Dataset):
         with open(self.path, "rb") as f:
             head = f.read(4096).lstrip()
         self.is_jsonl = self.path.endswith(".jsonl") or not head.startswith(b"[")
-        if self.is_jsonl:
-            self._index_jsonl()
-        else:
-            self._index_json_list()
-
-    # ----- indexing -----
-    def _index_jsonl(self) -> None:
-        starts, ends, pos = [], [], 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    starts.append(pos)
-                    ends.append(pos + len(line))
-                pos += len(line)
-        self._starts = np.asarray(starts, dtype=np.int64)
-        self._ends = np.asarray(ends, dtype=np.int64)
-        self._blob = None
-
-    def _index_json_list(self) -> None:
-        with open(self.path, "rb") as f:
-            text = f.read().decode("utf-8", errors="surrogateescape")
-        try:
-            records = json.loads(text)
-        except JSON_ERRORS as err:
-            raise ValueError(f"{self.path}: not a valid JSON list ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
-        if not isinstance(records, list):
-            raise ValueError(f"{self.path}: top-level JSON must be a list of records")
-        encoded = [_encode_record(r) for r in records]
-        self._ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
-        self._starts = self._ends - np.asarray([len(e) for e in encoded], dtype=np.int64)
-        self._blob = b"".join(encoded)
+        kind = jsonl_index.KIND_JSONL if self.is_jsonl else jsonl_index.KIND_JSON_LIST
+        spans, self.index_path, self.index_built = jsonl_index.load_or_build(self.path, kind, index_cache_dir,
+                                                                             collective_index)
+        self._starts, self._ends = spans[:, 0], spans[:, 1]
 
     def __len__(self) -> int:
         return len(self._starts)
 
     def _raw(self, index: int) -> bytes:
         start, end = int(self._starts[index]), int(self._ends[index])
-        if self._blob is not None:
-            return self._blob[start:end]
         with open(self.path, "rb") as f:
             f.seek(start)
             return f.read(end - start)
@@ -115,12 +88,3 @@ class LlavaJsonDataset(Dataset):
             images.append(image)
         return {"id": sample_id, "conversations": record["conversations"], "images": images}
 
-
-def _encode_record(record) -> bytes:
-    """One record of a JSON list as ASCII JSON bytes for the blob. ensure_ascii=True keeps
-    undecodable bytes as \\udcXX escapes (detected per record); a record too deeply nested to
-    re-encode is stored as empty bytes, which reads back as a `bad_json_line` skip."""
-    try:
-        return json.dumps(record, ensure_ascii=True).encode("ascii")
-    except (RecursionError, ValueError):
-        return b""

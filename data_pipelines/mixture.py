@@ -1,7 +1,9 @@
 """Weighted, deterministic, resumable mixtures of datasets, and the training data loader (`build_loader`).
 
-The global sample order is a pure function of (seed, position), independent of the worker count,
-and O(1) to compute per position, so resuming never iterates to skip.
+The global order of sources and of map-style records is a pure function of (seed, position),
+independent of the worker count, and O(1) to compute per position, so resuming never iterates to
+skip. A stream source (`type: webdataset`, stream_source.py) takes the positions the schedule
+gives it and hands out its next record from a per-reader stream whose position is saved.
 """
 
 from __future__ import annotations
@@ -12,15 +14,13 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 import torch
-import yaml
 from torch.utils.data import DataLoader, Dataset
 
 from .collate import PackingCollator, PadCollator
-from .common import DATASET_TYPES, Skip
+from .common import Skip
 from .encode import SampleEncoder
-from .images import DEFAULT_MAX_PIXELS
-from .llava_json import LlavaJsonDataset
-from .text_corpus import TextCorpusDataset
+from .sources import build_sources, load_data_config
+from .stream_source import MarkedCollate, StreamMark, StreamReader, restore_states
 
 
 class TooMuchBadData(RuntimeError):
@@ -49,11 +49,13 @@ class MixtureSchedule:
        `perm_{k,e}[n mod len_k]`, epoch e = n // len_k, with
        `perm_{k,e} = np.random.default_rng([seed, 1 + k, e]).permutation(len_k)` (identity when
        shuffle is off): every dataset is visited exactly once per (its own) epoch.
+    A stream source has size None: its n-th draw is (k, n) (the stream decides the record).
     """
 
     def __init__(self, sizes, weights, seed: int = 0, block_size: int = 1000, shuffle: bool = True):
-        self.sizes, self.seed, self.shuffle = [int(s) for s in sizes], int(seed), bool(shuffle)
-        weights = [w if s > 0 else 0.0 for w, s in zip(weights, self.sizes)]
+        self.sizes = [None if s is None else int(s) for s in sizes]
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        weights = [w if s is None or s > 0 else 0.0 for w, s in zip(weights, self.sizes)]
         self.block_size = int(block_size)
         self.quotas = block_quotas(weights, self.block_size)
         self._blocks, self._perms = OrderedDict(), OrderedDict()
@@ -87,13 +89,23 @@ class MixtureSchedule:
         order, rank = self._block(b)
         k = int(order[r])
         n = b * self.quotas[k] + int(rank[r])
+        if self.sizes[k] is None:
+            return k, n
         epoch, offset = divmod(n, self.sizes[k])
         perm = self._perm(k, epoch)
         return k, int(perm[offset]) if perm is not None else offset
 
 
+def _size(dataset):
+    return None if getattr(dataset, "is_stream", False) else len(dataset)
+
+
 class MixtureDataset(Dataset):
-    """Map-style view: dataset[position] = encoded sample (or Skip) at that global position."""
+    """Map-style view: dataset[position] = encoded sample (or Skip) at that global position.
+
+    With stream sources, batches are read through `__getitems__` (the DataLoader's batch fetch):
+    their stream positions take the batch's reader's next records, and a `StreamMark` with the
+    reader's states after the batch ends the sample list (`MarkedCollate` moves it to the batch)."""
 
     def __init__(self, datasets, weights, encoder, seed: int = 0, block_size: int = 1000,
                  shuffle: bool = True, names=None):
@@ -101,28 +113,76 @@ class MixtureDataset(Dataset):
             raise ValueError("need one weight per dataset and at least one dataset")
         self.datasets, self.weights, self.encoder = list(datasets), list(weights), encoder
         self.names = list(names) if names else [getattr(d, "name", f"d{i}") for i, d in enumerate(datasets)]
-        if not any(len(d) > 0 and w > 0 for d, w in zip(self.datasets, self.weights)):
-            sizes = ", ".join(f"{n}={len(d)} (weight {w})" for n, d, w in zip(self.names, self.datasets, self.weights))
+        self.sizes = [_size(d) for d in self.datasets]
+        self.streams = [k for k, size in enumerate(self.sizes) if size is None]
+        stream_names = [self.names[k] for k in self.streams]
+        if len(set(stream_names)) != len(stream_names):
+            raise ValueError(f"webdataset sources need distinct names (their positions are saved by name): "
+                             f"{stream_names}")
+        if not any((n is None or n > 0) and w > 0 for n, w in zip(self.sizes, self.weights)):
+            sizes = ", ".join(f"{n}={z} (weight {w})" for n, z, w in zip(self.names, self.sizes, self.weights))
             raise ValueError(f"no records to draw from: every dataset is empty or has weight 0 ({sizes})")
         self.block_size, self.shuffle = block_size, shuffle
+        self._setup, self._readers, self._slot = None, {}, None
         self.set_seed(seed)
 
     def set_seed(self, seed: int) -> None:
         self.seed = int(seed)
-        self.schedule = MixtureSchedule([len(d) for d in self.datasets], self.weights, self.seed,
-                                        self.block_size, self.shuffle)
+        self.schedule = MixtureSchedule(self.sizes, self.weights, self.seed, self.block_size, self.shuffle)
 
-    def __len__(self) -> int:  # nominal: one pass over every dataset; positions go on forever
-        return sum(len(d) for d in self.datasets)
+    def __len__(self) -> int:  # nominal: one pass over every map-style dataset; positions go on forever
+        return sum(n for n in self.sizes if n is not None)
+
+    def start_streams(self, rank: int, world_size: int, readers: int, batch_size: int, states: dict) -> None:
+        """Before each DataLoader (its workers get a copy): where every reader of this rank starts."""
+        self._setup = (rank, world_size, readers, batch_size, states)
+        self._readers, self._slot = {}, None
+
+    def _encode(self, k: int, record, where: str):
+        out = self.encoder(record)
+        if isinstance(out, Skip) and not out.where:
+            out = dataclasses.replace(out, where=where)
+        return out
+
+    def _where(self, k: int, j: int) -> str:
+        return f"{getattr(self.datasets[k], 'path', None) or self.names[k]}#{j}"
 
     def __getitem__(self, position: int):
         k, j = self.schedule(position)
-        out = self.encoder(self.datasets[k][j])
-        if isinstance(out, Skip) and not out.where:
-            ds = self.datasets[k]
-            src = getattr(ds, "path", None) or self.names[k]
-            out = dataclasses.replace(out, where=f"{src}#{j}")
+        if k in self.streams:
+            raise RuntimeError(f"position {position} belongs to the stream source {self.names[k]!r}: "
+                               "stream sources are read a batch at a time (__getitems__, via MixtureLoader)")
+        return self._encode(k, self.datasets[k][j], self._where(k, j))
+
+    def __getitems__(self, positions: list[int]) -> list:
+        if not self.streams:
+            return [self[p] for p in positions]
+        if self._setup is None:
+            raise RuntimeError("stream sources need MixtureDataset.start_streams (MixtureLoader calls it)")
+        rank, world_size, readers, batch_size, _ = self._setup
+        slot = (positions[0] // world_size // batch_size) % readers
+        if self._slot is not None and slot != self._slot:  # the DataLoader must deal batches round-robin
+            raise RuntimeError(f"one process got batches of stream readers {self._slot} and {slot}")
+        self._slot = slot
+        reader = rank * readers + slot
+        out = []
+        for p in positions:
+            k, j = self.schedule(p)
+            if k in self.streams:
+                record, where = self._reader(k, reader).next()
+                out.append(self._encode(k, record, where))
+            else:
+                out.append(self._encode(k, self.datasets[k][j], self._where(k, j)))
+        out.append(StreamMark(reader, {self.names[k]: self._reader(k, reader).state() for k in self.streams}))
         return out
+
+    def _reader(self, k: int, reader: int) -> StreamReader:
+        if k not in self._readers:
+            _, world_size, readers, _, states = self._setup
+            state = states.get(self.names[k], {}).get(str(reader))
+            self._readers[k] = StreamReader(self.datasets[k], reader, world_size * readers, self.seed,
+                                            self.shuffle, state)
+        return self._readers[k]
 
 
 class RankBatchSampler:
@@ -156,7 +216,9 @@ class MixtureLoader:
     num_workers. Batches whose samples were all skipped are not yielded; their skips are added to
     the next yielded batch's `skipped`. Skips are counted per reason; once
     `min_samples_for_bad_check` positions were seen, a skipped fraction above `max_bad_fraction`
-    raises TooMuchBadData.
+    raises TooMuchBadData (stream records and shards count like any other). With stream sources
+    the state also holds `readers` (max(1, num_workers)) and `streams` ({source name: {reader:
+    position}}, stream_source.py): exact resume needs the same world size and num_workers.
     """
 
     def __init__(self, dataset: MixtureDataset, collator, batch_size: int, rank: int = 0,
@@ -170,6 +232,10 @@ class MixtureLoader:
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.max_bad_fraction, self.min_samples_for_bad_check = max_bad_fraction, min_samples_for_bad_check
         self.num_samples, self.prefetch_factor, self.pin_memory = num_samples, prefetch_factor, pin_memory
+        self.readers = max(1, int(num_workers))  # stream readers of this rank: one per worker
+        for k in dataset.streams:
+            dataset.datasets[k].check_readers(world_size * self.readers)
+        self.stream_states: dict = {}  # source name -> {global reader id: state after its last batch}
         self.local_consumed = 0  # positions of THIS rank already handed out in yielded batches
         self.bad_counts: Counter = Counter()
         self.seen = 0  # positions of this rank processed (kept + skipped)
@@ -185,9 +251,15 @@ class MixtureLoader:
     def state_dict(self) -> dict:
         """samples_consumed counts global positions (identical on every rank, which step in
         lockstep); seen / bad_counts are this rank's. Resuming with another world size starts
-        each rank at samples_consumed // world_size (exact when the world size is unchanged)."""
-        return {"seed": self.seed, "samples_consumed": self.local_consumed * self.world_size,
-                "world_size": self.world_size, "seen": self.seen, "bad_counts": dict(self.bad_counts)}
+        each rank at samples_consumed // world_size (exact when the world size is unchanged); stream
+        sources then restart at epoch granularity (stream_source.py)."""
+        state = {"seed": self.seed, "samples_consumed": self.local_consumed * self.world_size,
+                 "world_size": self.world_size, "seen": self.seen, "bad_counts": dict(self.bad_counts)}
+        if self.dataset.streams:
+            state["readers"] = self.readers
+            state["streams"] = {name: {g: dict(st) for g, st in states.items()}
+                                for name, states in self.stream_states.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["seed"]) != self.dataset.seed:
@@ -195,20 +267,30 @@ class MixtureLoader:
         self.local_consumed = int(state["samples_consumed"]) // self.world_size
         self.seen = int(state.get("seen", 0))
         self.bad_counts = Counter(state.get("bad_counts", {}))
+        names = [self.dataset.names[k] for k in self.dataset.streams]
+        self.stream_states = restore_states(state, names, self.rank, self.world_size, self.readers)
 
     def _dataloader(self) -> DataLoader:
         sampler = RankBatchSampler(self.batch_size, self.rank, self.world_size,
                                    self.local_consumed, self.num_samples)
+        self.dataset.start_streams(self.rank, self.world_size, self.readers, self.batch_size,
+                                   {name: dict(states) for name, states in self.stream_states.items()})
         extra = {}
         if self.num_workers > 0:
-            extra = {"worker_init_fn": _worker_init, "prefetch_factor": self.prefetch_factor or 2}
-        return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collator,
+            # a private generator: the workers' base seed is not drawn from the global torch RNG,
+            # whose state a checkpoint restores (a resumed run would otherwise shift it by one draw)
+            extra = {"worker_init_fn": _worker_init, "prefetch_factor": self.prefetch_factor or 2,
+                     "generator": torch.Generator().manual_seed(self.seed)}
+        return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=MarkedCollate(self.collator),
                           num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
 
     def __iter__(self):
         pending = Counter()  # skips of batches that ended up empty, reported with the next one
         for batch in self._dataloader():
             # every position of the batch is either in it or counted in `skipped`
+            reader, states = batch.pop("stream_state", (None, {}))
+            for name, st in states.items():
+                self.stream_states.setdefault(name, {})[str(reader)] = st
             positions = batch["num_samples"] + sum(batch["skipped"].values())
             self.local_consumed += positions
             self.seen += positions
@@ -245,52 +327,16 @@ class MixtureLoader:
 # ----- entry point -----
 
 
-def load_data_config(data_cfg) -> dict:
-    """A dict, a YAML path, or a training config with a `data:` section -> the data dict."""
-    if isinstance(data_cfg, (str, os.PathLike)):
-        with open(data_cfg, encoding="utf-8") as f:
-            data_cfg = yaml.safe_load(f)
-    cfg = dict(data_cfg)
-    if "datasets" not in cfg and isinstance(cfg.get("data"), dict):
-        cfg = dict(cfg["data"])
-    if not cfg.get("datasets"):
-        raise ValueError("data config needs a non-empty `datasets` list")
-    return cfg
-
-
-def build_sources(cfg: dict, chat_tokenizer, max_length: int):
-    """Instantiate the readers named in cfg['datasets'] -> (datasets, weights, names)."""
-    root = cfg.get("root")
-    resolve = lambda p: p if root is None or os.path.isabs(p) else os.path.join(root, p)
-    datasets, weights, names = [], [], []
-    for entry in cfg["datasets"]:
-        kind, name = entry.get("type"), entry.get("name")
-        if kind == "llava_json":
-            image_root = entry.get("image_root")
-            ds = LlavaJsonDataset(resolve(entry["path"]),
-                                  image_root=resolve(image_root) if image_root else None,
-                                  max_image_pixels=entry.get("max_image_pixels", DEFAULT_MAX_PIXELS),
-                                  name=name)
-        elif kind == "text":
-            ds = TextCorpusDataset(resolve(entry["path"]), tokenizer=chat_tokenizer.tokenizer,
-                                   max_tokens=max_length - 1 - len(chat_tokenizer.bos), name=name)
-        else:
-            raise ValueError(f"dataset type {kind!r} not supported in a mixture (use one of "
-                             f"{DATASET_TYPES}; webdataset shards stream via WebDatasetShards)")
-        datasets.append(ds)
-        weights.append(float(entry.get("weight", 1.0)))
-        names.append(name or ds.name)
-    return datasets, weights, names
-
-
 def build_loader(data_cfg, chat_tokenizer, image_transform, batch_size: int, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, seed: int = 0) -> MixtureLoader:
     """Build the training loader of one rank from a data config (dict or YAML path).
 
-    Keys: datasets [{name, type: llava_json|text, path, image_root?, weight}], root (base for
-    relative paths), max_length (512), packing (true), padding_side ("right"),
-    pad_to_max_length (false), max_bad_fraction (0.01), min_samples_for_bad_check (200),
-    block_size (1000), shuffle (true), num_samples (null = endless).
+    Keys: datasets [{name, type: llava_json|text|webdataset, path, image_root?, weight,
+    max_image_pixels?, caption_prompt? (webdataset)}], root (base for relative paths),
+    max_length (512), packing (true), padding_side ("right"), pad_to_max_length (false),
+    max_bad_fraction (0.01), min_samples_for_bad_check (200), block_size (1000), shuffle (true),
+    num_samples (null = endless), index_cache_dir (LLaVA record indexes when the data folder is
+    not writable; jsonl_index.py).
     """
     cfg = load_data_config(data_cfg)
     max_length = int(cfg.get("max_length", 512))

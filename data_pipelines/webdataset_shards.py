@@ -2,6 +2,8 @@
 
 Records are the other readers' (`{"id", "conversations", "images"}`, or a Skip; never raises); pass
 an `encoder` (e.g. `SampleEncoder`) to get encoded samples. Sample layout and skips: data_pipelines/README.md.
+Training reads shards through a mixture (`type: webdataset`, stream_source.py), which uses
+`epoch_order` and `read_shard` with its own resumable per-reader split.
 """
 
 from __future__ import annotations
@@ -71,21 +73,32 @@ class WebDatasetShards(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def my_shards(self, worker_id: int = 0, num_workers: int = 1) -> list[str]:
+    def epoch_order(self, epoch: int, seed: int | None = None) -> list[str]:
+        """All shards in the order of `epoch` (shuffled with `seed + epoch` when shuffle_shards)."""
         order = list(self.shards)
         if self.shuffle_shards:
-            random.Random(self.seed + self.epoch).shuffle(order)
+            random.Random((self.seed if seed is None else seed) + epoch).shuffle(order)
+        return order
+
+    def my_shards(self, worker_id: int = 0, num_workers: int = 1) -> list[str]:
         slots = self.world_size * num_workers
-        return order[self.rank * num_workers + worker_id::slots]
+        return self.epoch_order(self.epoch)[self.rank * num_workers + worker_id::slots]
 
     def __iter__(self):
         info = get_worker_info()
         worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for url in self.my_shards(worker_id, num_workers):
-            for item in self._read_shard(url):
+            for item in self.read_shard(url):
                 yield self.encoder(item) if self.encoder is not None else item
 
+    def read_shard(self, url: str, skip: int = 0):
+        """The records (or Skips) of one shard, the first `skip` of them passed over undecoded."""
+        for i, item in enumerate(self._read_shard(url)):
+            if i >= skip:
+                yield item if isinstance(item, Skip) else self._to_record(item)
+
     def _read_shard(self, url: str):
+        """Raw webdataset samples (dicts) of one shard, or a final Skip for a damaged shard."""
         if self.check_end_marker and os.path.isfile(url) and not has_end_marker(url):
             yield Skip("corrupt_shard", url, "no tar end-of-archive marker (truncated)")
             return
@@ -102,7 +115,7 @@ class WebDatasetShards(IterableDataset):
             # an error is the partial sample at the damage point and is dropped.
             if errors:
                 break
-            yield self._to_record(sample)
+            yield sample
         if errors:
             yield Skip("corrupt_shard", url, f"{type(errors[0]).__name__}: {errors[0]}")
 
