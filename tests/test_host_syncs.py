@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vlm.config import MoEConfig
 from vlm.modeling import syncs
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule, ratio_loss
+from vlm.modeling.conceptmoe import PAD_SYNC
+from vlm.modeling.varlen import LAYOUT_SYNC
 from vlm.modeling.dechunk import dechunk
 from vlm.modeling.moe import MoEFeedForward, init_moe_weights
 
@@ -187,40 +189,51 @@ def test_chunking_and_dechunk_read_only_the_concept_count(merge):
 
 
 # the training step --------------------------------------------------------------------------------
-def _training_step(preset: str, **overrides) -> tuple[HostReads, Counter]:
+def _training_step(preset: str, packed: bool = False, **overrides) -> tuple[HostReads, Counter]:
     model = dev(build_model(preset, **overrides)).train()
     ids, am = dev(*left_padded(B=2, T=24, pad=5))
     labels = ids.masked_fill(am == 0, -100)
+    seg = None
+    if packed:  # two documents per row, the padding of row 1 kept
+        seg = dev(torch.cat([torch.zeros(2, 10, dtype=torch.long), torch.ones(2, 14, dtype=torch.long)], 1))
     with HostReads() as hr, syncs.counting() as named:
-        out = model(ids, attention_mask=am, labels=labels)
+        out = model(ids, attention_mask=am, labels=labels, segment_ids=seg)
         out.loss.backward()
     return hr, named
+
+
+# a DocLayout per stack (tokens, concepts); the CPU loop kernel reads its document list once more
+LAYOUTS = 2 * (2 if torch.device(DEVICE).type == "cpu" else 1)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"concept_merge": "sum", "concept_loop_layers": [0],
                                             "concept_loop_times": 2}], ids=["last", "sum-looped"])
 def test_training_step_named_syncs(overrides):
     """Forward + backward of the tiny ConceptMoE (padded rows, labels): the named host syncs are
-    exactly one per chunking call (the concept count M); MoE (4 layers, looped concept layers
-    included), chunking, dechunk and the blocks issue no other read."""
+    one per chunking call (the concept count M), one padding check per stack (unpacked rows) and the
+    document layouts; MoE (4 layers, looped concept layers included), chunking, dechunk and the
+    blocks issue no other read."""
     hr, named = _training_step("tiny_concept", **overrides)
-    assert named == Counter({CONCEPT_SYNC: 1}) == hr.named()
-    assert hr.unnamed(OURS) == []
+    assert named == Counter({CONCEPT_SYNC: 1, PAD_SYNC: 2, LAYOUT_SYNC: LAYOUTS})
+    assert hr.named()[CONCEPT_SYNC] == hr.named()[PAD_SYNC] / 2 == 1  # one read each (a layout makes several)
+    assert set(hr.named()) == set(named) and hr.unnamed(OURS) == []
+
+
+def test_packed_training_step_skips_the_padding_check():
+    hr, named = _training_step("tiny_concept", packed=True)
+    assert named == Counter({CONCEPT_SYNC: 1, LAYOUT_SYNC: LAYOUTS}) and set(hr.named()) == set(named)
 
 
 def test_plain_moe_training_step_no_named_syncs():
     hr, named = _training_step("tiny")
-    assert named == Counter() and hr.unnamed(OURS) == []
+    assert named == Counter({PAD_SYNC: 1, LAYOUT_SYNC: LAYOUTS // 2}) and hr.unnamed(OURS) == []
 
 
-@pytest.mark.xfail(strict=True, reason="host reads outside moe/chunking/dechunk (not owned here): "
-                   "conceptmoe.py has_pad = bool(attention_mask.all()) and has_cpad = bool(valid_BM.all()), "
-                   "compression_stats float()/int(); hf.py lm_loss_fn bool(labels != -100).any(); "
-                   "varlen.py document layout (nonzero / unique / item). Remove this marker once they are "
-                   "gone or named.")
 def test_whole_training_step_reads_only_at_named_points():
-    hr, _ = _training_step("tiny_concept")
-    assert hr.unnamed() == [], Counter(hr.unnamed())
+    """Every host read of the whole forward + backward (model, loss, attention, layouts) is named."""
+    for packed in (False, True):
+        hr, _ = _training_step("tiny_concept", packed=packed)
+        assert hr.unnamed() == [], Counter(hr.unnamed())
 
 
 # CUDA: the real sync detector ---------------------------------------------------------------------
@@ -299,5 +312,5 @@ def test_cuda_training_step_forward_syncs_not_in_owned_code():
     step()
     with syncs.counting() as named:
         where = _sync_warnings(step)
-    assert named == Counter({CONCEPT_SYNC: 1})
+    assert named == Counter({CONCEPT_SYNC: 1, PAD_SYNC: 2, LAYOUT_SYNC: 2})
     assert [w for w in where if any(f in w for f in OURS)] == [], where

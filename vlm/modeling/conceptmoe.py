@@ -11,6 +11,7 @@ cached decoding: see ``DecodeState`` (generation.py) for what it fills.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,10 @@ from vlm.modeling.attention import RMSNorm, rope_cos_sin
 from vlm.modeling.blocks import TransformerBlock
 from vlm.modeling.chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
 from vlm.modeling.dechunk import dechunk
+from vlm.modeling.syncs import host_sync
+
+PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
+            "layout); packed rows skip it, their layout covers the padding")
 
 
 CHECKPOINT_MODES = ("none", "selective", "full")
@@ -124,14 +129,13 @@ class ConceptMoEModel(nn.Module):
                 segment_ids=None, modality_ids=None, state=None) -> BackboneOutput:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
-        has_pad = attention_mask is not None and not bool(attention_mask.all())
         valid_BT = attention_mask.bool() if attention_mask is not None else \
             torch.ones(B, T, dtype=torch.bool, device=x.device)
         if position_ids is None:
             position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
         # one mask per stack, shared by its layers: a DocLayout (per document, no T x T) or None
-        mask = attention.attention_mask(valid_BT if has_pad else None, segment_ids, T, x.device)
-        mvalid = valid_BT if has_pad else None
+        mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
+        mask = attention.attention_mask(mvalid, segment_ids, T, x.device)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (valid_BT, torch.full((B,), T, dtype=torch.long, device=x.device))
         stats: list = []
@@ -159,16 +163,14 @@ class ConceptMoEModel(nn.Module):
         out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
         con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
         c_in = self.to_concept(con.x_BMD)
-        has_cpad = not bool(con.valid_BM.all())
-        cmask = attention.attention_mask(con.valid_BM if has_cpad else None, con.segment_BM, c_in.shape[1],
-                                         h.device)
+        cval = padding(con.valid_BM, con.segment_BM)
+        cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         c = c_in
         cfill = None
         if state is not None:  # concept caches keep the completed concepts only
             done_B = con.completed_B(merge)
             cfill = (torch.arange(con.valid_BM.shape[1], device=h.device)[None] < done_B[:, None], done_B)
-        cval = con.valid_BM if has_cpad else None
         for slot, li in enumerate(self.schedule):
             cache = state.concept_caches[slot] if state is not None else None
             c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval, cache=cache, fill=cfill)
@@ -183,6 +185,43 @@ class ConceptMoEModel(nn.Module):
         z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
         return z
+
+
+def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:
+    """The padding mask a stack's layers get: None when every position is real. Packed rows
+    (``segment_BT``) keep ``valid_BT`` unread: their document layout reads the device once anyway,
+    padding included. Unpacked rows are checked (a named host read) so that rows without padding
+    run plain causal attention with no layout."""
+    if valid_BT is None or segment_BT is not None:
+        return valid_BT
+    with host_sync(PAD_SYNC):
+        has_pad = not bool(valid_BT.all())
+    return valid_BT if has_pad else None
+
+
+class CompressionStats(Mapping):
+    """``compression_stats`` computed on first read: a training step that never looks at it reads
+    nothing from the device for it."""
+
+    def __init__(self, boundary_BT, valid_BT, modality_BT=None):
+        self._args, self._stats = (boundary_BT.detach(), valid_BT, modality_BT), None
+
+    def _get(self) -> dict:
+        if self._stats is None:
+            self._stats = compression_stats(*self._args)
+        return self._stats
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 def compression_stats(boundary_BT, valid_BT, modality_BT=None) -> dict:

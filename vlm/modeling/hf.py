@@ -32,7 +32,7 @@ from vlm.config import ConceptMoEConfig
 from vlm.modeling.attention import Attention
 from vlm.modeling.cache import ConceptCache
 from vlm.modeling.chunking import TEXT, ChunkModule
-from vlm.modeling.conceptmoe import ConceptMoEModel, compression_stats
+from vlm.modeling.conceptmoe import CompressionStats, ConceptMoEModel
 from vlm.modeling.generation import DecodeState, decode_step
 from vlm.modeling.moe import MoEFeedForward
 from vlm.safe_loading import require_safetensors
@@ -270,7 +270,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         compression = None
         if out.boundary_BT is not None:
             valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(out.boundary_BT)
-            compression = compression_stats(out.boundary_BT, valid, modality_ids)
+            compression = CompressionStats(out.boundary_BT, valid, modality_ids)
         return ConceptMoEOutput(loss=loss, logits=logits, lm_loss=lm, ratio_loss=out.ratio_loss,
                                 lb_loss=out.lb_loss, z_loss=out.z_loss, boundary_mask=out.boundary_BT,
                                 boundary_probs=out.prob_BT, num_concepts=out.num_concepts_B,

@@ -33,6 +33,11 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from vlm.modeling.syncs import host_sync
+
+LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest document and the "
+               "length buckets are the attention kernels' shapes); once per stack and forward")
+
 KERNEL = "auto"  # "auto": flash where it applies, else loop on the CPU, else bucketed | "loop" | "bucketed"
 KERNELS = ("auto", "loop", "bucketed")
 
@@ -57,7 +62,8 @@ class DocLayout:
     def pieces(self) -> list[tuple[int, int, bool]]:
         """(start, length, is a run of length-1 documents) in document order, for the loop kernel."""
         out: list[tuple[int, int, bool]] = []
-        cu = self.cu_seq.tolist()
+        with host_sync(LAYOUT_SYNC):  # CPU only (the loop kernel): nothing waits there
+            cu = self.cu_seq.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
             if b - a == 1 and out and out[-1][2] and (a - 1) // self.T == a // self.T:
                 out[-1] = (out[-1][0], out[-1][1] + 1, True)  # runs stay inside one row
@@ -67,6 +73,11 @@ class DocLayout:
 
     @classmethod
     def build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> DocLayout:
+        with host_sync(LAYOUT_SYNC):
+            return cls._build(valid_BT, segment_BT)
+
+    @classmethod
+    def _build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> DocLayout:
         ref = valid_BT if valid_BT is not None else segment_BT
         if ref is None:
             raise ValueError("DocLayout.build needs valid_BT or segment_BT")
