@@ -40,3 +40,17 @@ def test_train_on_llava_and_webdataset_then_resume_exactly(tmp_path):
         assert [r[key] for r in rest] == [r[key] for r in ref[2:]], key
     skipped = sum(sum(r.get("skipped_samples", {}).values()) for r in ref)
     assert skipped >= 1  # the bad shard record was met and counted
+
+
+def test_too_few_shards_for_the_readers_is_one_line_exit_2(tmp_path, capsys):
+    from vlm.train import main
+
+    tiny_tokenizer(str(tmp_path / "tok"))
+    write_image(str(tmp_path / "0.png"), "L")
+    write_llava(str(tmp_path / "vqa.jsonl"), [digit_record(0, "0.png")], jsonl=True)
+    write_wds_shards(tmp_path / "wds", n_shards=2, per_shard=2)
+    path = helpers.write_config(tmp_path, _raw(tmp_path, "few", data={"num_workers": 3}))
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: config error: data: webdataset source 'shards'")
+    assert "2 shards for 3 readers" in err[-1]

@@ -55,8 +55,13 @@ def build_loader(cfg: TrainConfig, model, model_config, tokenizer, processor, ra
         chat, transform = processor.chat_tokenizer, processor.image_transform
     else:
         chat, transform = ChatTokenizer(tokenizer, num_image_tokens=0), None
-    return build_mixture(data_config(cfg), chat, transform, cfg.train.micro_batch_size, rank=rank,
-                         world_size=world_size, num_workers=cfg.data.num_workers, seed=cfg.seed)
+    try:
+        return build_mixture(data_config(cfg), chat, transform, cfg.train.micro_batch_size, rank=rank,
+                             world_size=world_size, num_workers=cfg.data.num_workers, seed=cfg.seed)
+    except (ConfigError, FileNotFoundError):
+        raise
+    except (ValueError, OSError) as err:  # the data's fault (invalid JSON list, too few shards, ...): one line
+        raise ConfigError(f"config error: data: {err}") from None
 
 
 class SyntheticLoader:
