@@ -4,6 +4,8 @@
 #   (b) 100 steps of the small VLM (configs/train/gpu_check.yaml: vlm_small, ~51M params) with
 #       DeepSpeed ZeRO-2 in bf16 under the deepspeed launcher, then a check of its metrics.jsonl:
 #       the loss falls (last record >= 10% below the first) and no value is NaN/inf
+#   (b') the training MFU of a ~1B-parameter ConceptMoE (configs/model/mfu_1b.yaml) at 8K packed
+#       tokens per step, bf16, ZeRO-2 (configs/train/gpu_mfu.yaml), reported against the 40% target
 #   (c) the GPU benchmarks (benchmarks/gpu.sh's scripts; quick sizes by default, see below)
 # Every step is timed and runs under its own time limit; the other steps still run when one fails;
 # a summary comes at the end (exit 1 if any step failed). Everything is also written to
@@ -11,7 +13,7 @@
 #
 #   bash scripts/gpu_check.sh
 #   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh     # print the commands, run nothing (no GPU needed)
-#   GPU_CHECK_STEPS=tests,train bash scripts/gpu_check.sh   # a subset of tests,train,bench
+#   GPU_CHECK_STEPS=tests,train bash scripts/gpu_check.sh   # a subset of tests,train,mfu,bench
 #   GPU_CHECK_BENCH=full bash scripts/gpu_check.sh    # the whole benchmarks/gpu.sh (6-7 min alone:
 #                                                     # the total then exceeds the 8-minute budget)
 #
@@ -29,7 +31,7 @@ ROOT=$PWD
 
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
-STEPS=${GPU_CHECK_STEPS:-tests,train,bench}
+STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
 BENCH_MODE=${GPU_CHECK_BENCH:-quick}   # quick | full
 DEVICE=${DEVICE:-cuda}
 VENV=${VENV:-.venv}
@@ -139,6 +141,20 @@ if wants train; then
     device=cuda precision=bf16 train.max_steps="$TRAIN_STEPS"
   step train-metrics 30 "$PY" scripts/check_train_metrics.py "$RUN_DIR/metrics.jsonl" \
     --steps "$TRAIN_STEPS" --min-drop 0.1
+fi
+
+# --- (b') the MFU of a ~1B-parameter ConceptMoE at 8K packed tokens (configs/train/gpu_mfu.yaml) ---
+if wants mfu; then
+  if [ "$DRY" = 1 ]; then PORT='<free port>'; else
+    PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    rm -f runs/gpu_mfu/metrics.jsonl
+  fi
+  DS=$PY_BIN_DIR/deepspeed
+  [ -x "$DS" ] || DS=deepspeed
+  if [[ "$DEVICE" == cuda:* ]]; then GPUS=(--include "localhost:${DEVICE#cuda:}"); else GPUS=(--num_gpus 1); fi
+  step mfu-docs 30 "$PY" scripts/gpu_mfu.py docs
+  step mfu-1b 150 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config configs/train/gpu_mfu.yaml
+  step mfu-report 20 "$PY" scripts/gpu_mfu.py report
 fi
 
 # --- (c) the GPU benchmarks -------------------------------------------------------------------
