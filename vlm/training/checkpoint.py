@@ -1,6 +1,7 @@
 """Atomic training checkpoints (DeepSpeed engine state + our JSON: step, counters, data-loader and
-RNG states), the ``latest`` pointer, discovery of the newest complete one, and resume. The layout
-and the save protocol are in ``save``'s docstring."""
+RNG states), the ``latest`` pointer, discovery of the newest complete one, and resume (exact at the
+same world size; at another one through DeepSpeed's universal checkpoint, ``reshard.py``). The
+layout and the save protocol are in ``save``'s docstring."""
 from __future__ import annotations
 
 import base64
@@ -184,7 +185,7 @@ def _step_of(path: Path) -> int:
 
 # --- save / load --------------------------------------------------------------------------------
 class ResumeError(RuntimeError):
-    """A checkpoint that cannot be resumed here (another world size, DeepSpeed found nothing)."""
+    """A checkpoint that cannot be resumed here (DeepSpeed found nothing, a refused world-size change)."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -346,14 +347,26 @@ def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[P
     return removed
 
 
-def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, dict]:
-    """Collective: load the engine state; returns (trainer_state, this rank's state)."""
+def load(engine, path: str | Path, rank: int, world_size: int, universal: Path | None = None,
+         seed: int = 0) -> tuple[dict, dict]:
+    """Collective: load the engine state; returns (trainer_state, this rank's state).
+
+    Same world size: DeepSpeed's own partitions and this rank's ``rank_<r>.json``, exactly.
+    Another world size: ``universal`` is the folder ``reshard.prepare`` converted (the engine was
+    built with ``load_universal``), and the rank state is mapped by ``reshard.rank_state``."""
+    from vlm.training import reshard
+
     path = Path(path)
     trainer_state = read_json(path / TRAINER_STATE)
     saved_world = int(trainer_state.get("world_size", 1))
-    if saved_world != world_size:
+    if saved_world != world_size and universal is None:
         raise ResumeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
-                           "exact resume (data order, RNG, ZeRO partitions) needs the same world size")
+                          "exact resume needs the same world size; another one loads its universal conversion "
+                          "(vlm.training.reshard.prepare, done by the trainer)")
+    if universal is not None:
+        reshard.load_engine(engine, Path(universal))
+        step = int(trainer_state.get("step", 0))
+        return trainer_state, reshard.rank_state(path, rank, world_size, saved_world, seed, step)
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:

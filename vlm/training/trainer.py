@@ -13,7 +13,7 @@ import torch
 
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
-from vlm.training import finish, lora, optim, periodic
+from vlm.training import finish, lora, optim, periodic, reshard
 from vlm.training.data import build_loader
 from vlm.training.distributed import (
     barrier,
@@ -96,6 +96,10 @@ class Trainer:
 
         self.ds_config = build_ds_config(cfg, self.world_size, self.bf16)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        # another world size: the checkpoint is converted once to DeepSpeed's universal format here (reshard.py)
+        self.resume_path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
+        self.universal = reshard.prepare(self.resume_path, self.world_size, self.zero_stage, self.ds_config,
+                                         self.rank, self.print, cfg.parallel.expert_parallel_size)
         if self.zero_stage == 3:
             prepare_zero3(model)
         if self.zero_stage == 0:
@@ -117,7 +121,7 @@ class Trainer:
         self.progress = Progress()
         self.resumed_from: str | None = None
         self.last_saved_step: int | None = None
-        path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
+        path = self.resume_path
         if resume == "auto" and path is None:
             self.print(f"[train] --resume auto: no complete checkpoint in {cfg.ckpt_dir}, starting fresh")
         if path is not None:
@@ -217,7 +221,8 @@ class Trainer:
         return path
 
     def _load(self, path: Path) -> None:
-        trainer_state, rank_state = ckpt.load(self.engine, path, self.rank, self.world_size)
+        trainer_state, rank_state = ckpt.load(self.engine, path, self.rank, self.world_size, self.universal,
+                                              self.cfg.seed)
         self.progress = Progress.from_checkpoint(trainer_state)
         if self.engine.global_steps != self.step:
             self.engine.global_steps = self.step
