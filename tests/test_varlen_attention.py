@@ -248,3 +248,19 @@ def test_cuda_bf16_flash_matches_dense(name, monkeypatch):
         torch.testing.assert_close(o.float(), ref[0][0].float(), **assert_bf16)
         for a, b in zip(ref[0][1], g):
             torch.testing.assert_close(b.float(), a.float(), **assert_bf16)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "bucketed"])
+def test_one_token_documents_keep_q_and_k_in_the_graph(kernel, monkeypatch):
+    """Every document one token long (a concept stack whose rows each collapsed into one concept):
+    q and k still get a (zero) gradient, not None, so that data-parallel ranks whose batches differ
+    here reduce the same set of gradients (a None on one rank desynchronised ZeRO's reduction)."""
+    monkeypatch.setattr(varlen, "KERNEL", kernel)
+    seg = dev(torch.arange(3)[None].repeat(2, 1))  # 2 rows x 3 one-token documents
+    q, k, v = (dev(torch.randn(2, 4, 3, 8)).requires_grad_() for _ in range(3))
+    kv = (k[:, :2], v[:, :2])  # grouped-query: 2 kv heads
+    out = varlen.doc_attention(q, *kv, DocLayout.build(None, seg))
+    torch.testing.assert_close(out, v[:, :2].repeat_interleave(2, dim=1).transpose(1, 2))
+    out.square().sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    assert q.grad.abs().max() == 0 and k.grad.abs().max() == 0

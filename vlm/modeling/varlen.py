@@ -179,6 +179,10 @@ def _loop(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
         else:
             outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     out_NHD = torch.cat(outs, dim=2)[0].transpose(0, 1)  # document order
+    if all(single for _, _, single in layout.pieces):
+        # q and k took no part (every document is one token): keep them in the graph with a zero
+        # gradient, as the other kernels do, so data-parallel ranks reduce the same gradients
+        out_NHD = out_NHD + 0.0 * (src[0].sum() + src[1].sum())
     if layout.perm_N is not None:
         out_NHD = out_NHD.index_select(0, layout.inv_N)
     return out_NHD.reshape(B, T, H, D)
