@@ -21,6 +21,7 @@ from vlm.training.distributed import (
     init_distributed,
     resolve_device,
 )
+from vlm.training.expert_parallel import apply_expert_parallel, check_supported
 from vlm.training.fault_injection import Faults
 from vlm.modeling.hf import loss_only
 from vlm.training.checkpointing import apply_activation_checkpointing
@@ -104,6 +105,12 @@ class Trainer:
             prepare_zero3(model)
         if self.zero_stage == 0:
             self.print("[train] warning: ZeRO stage 0 in fp32 does not skip non-finite steps; use zero1/2/3")
+        self.ep_size = cfg.parallel.expert_parallel_size
+        if self.ep_size > 1:
+            check_supported(cfg, self.world_size, model, self.zero_stage)
+            n = apply_expert_parallel(model, self.ep_size)
+            self.print(f"[train] expert parallelism: the experts of {n} MoE layers sharded over groups of "
+                       f"{self.ep_size} ranks (dropless all-to-all)")
         optimizer = optim.build_optimizer(model, cfg)
         self.group_names = [g["name"] for g in optimizer.param_groups]
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
