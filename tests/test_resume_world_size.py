@@ -215,7 +215,7 @@ def test_data_position_maps_with_fewer_than_new_world_repeats(tmp_path, old, new
     assert consumed == set(range(c)) and c == 3 * 4 * old
     after: list[int] = []
     for r in range(new):
-        st = reshard.rank_state(tmp_path, r, new, old, seed=0, step=3)
+        st = reshard.rank_state(tmp_path, r, old, seed=0, step=3)
         assert st["data"]["bad_counts"] == ({"corrupt_image": sum(range(1, old + 1))} if r == 0 else {})
         loader = _loader(r, new)
         loader.load_state_dict(st["data"])
@@ -237,10 +237,10 @@ def test_new_ranks_get_a_derived_rng_state(tmp_path):
                                                         "data": {"index": 5, "seed": 0, "world_size": 2}})
     torch.manual_seed(123)
     probe = torch.get_rng_state()
-    states = [reshard.rank_state(tmp_path, r, 4, 2, seed=7, step=10) for r in range(4)]
+    states = [reshard.rank_state(tmp_path, r, 2, seed=7, step=10) for r in range(4)]
     assert torch.equal(torch.get_rng_state(), probe)
     saved = [json.loads((tmp_path / ckpt.rank_file(r)).read_text())["rng"] for r in range(2)]
     assert states[0]["rng"] == saved[0] and states[1]["rng"] == saved[1]
     assert states[2]["rng"] != states[3]["rng"] and states[2]["rng"] != saved[1]
-    assert reshard.rank_state(tmp_path, 3, 4, 2, seed=7, step=10)["rng"] == states[3]["rng"]
+    assert reshard.rank_state(tmp_path, 3, 2, seed=7, step=10)["rng"] == states[3]["rng"]
     assert all(s["data"]["index"] == 5 for s in states)  # the synthetic loader keeps its batch index

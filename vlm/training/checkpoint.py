@@ -347,26 +347,17 @@ def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[P
     return removed
 
 
-def load(engine, path: str | Path, rank: int, world_size: int, universal: Path | None = None,
-         seed: int = 0) -> tuple[dict, dict]:
-    """Collective: load the engine state; returns (trainer_state, this rank's state).
-
-    Same world size: DeepSpeed's own partitions and this rank's ``rank_<r>.json``, exactly.
-    Another world size: ``universal`` is the folder ``reshard.prepare`` converted (the engine was
-    built with ``load_universal``), and the rank state is mapped by ``reshard.rank_state``."""
-    from vlm.training import reshard
-
+def load(engine, path: str | Path, rank: int, world_size: int) -> tuple[dict, dict]:
+    """Collective: load the engine state; returns (trainer_state, this rank's state). Same world size
+    only: DeepSpeed's own partitions and this rank's ``rank_<r>.json``, exactly (another world size:
+    ``reshard.load``, after ``reshard.prepare`` converted the checkpoint)."""
     path = Path(path)
     trainer_state = read_json(path / TRAINER_STATE)
     saved_world = int(trainer_state.get("world_size", 1))
-    if saved_world != world_size and universal is None:
+    if saved_world != world_size:
         raise ResumeError(f"checkpoint {path} was written by {saved_world} ranks, this run has {world_size}: "
                           "exact resume needs the same world size; another one loads its universal conversion "
                           "(vlm.training.reshard.prepare, done by the trainer)")
-    if universal is not None:
-        reshard.load_engine(engine, Path(universal))
-        step = int(trainer_state.get("step", 0))
-        return trainer_state, reshard.rank_state(path, rank, world_size, saved_world, seed, step)
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:

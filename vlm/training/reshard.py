@@ -160,7 +160,16 @@ def _repair_zero3_groups(base, universal: Path) -> None:
         group.update({k: v for k, v in old.items() if k != "params"})
 
 
-def rank_state(path: Path, rank: int, world_size: int, saved: int, seed: int, step: int) -> dict:
+def load(engine, path: Path, universal: Path, rank: int, seed: int) -> tuple[dict, dict]:
+    """Collective: the engine state from the ``universal`` conversion of checkpoint ``path`` (the
+    engine was built with ``load_universal``); returns (trainer_state, this rank's mapped state)."""
+    trainer_state = read_json(path / TRAINER_STATE)
+    load_engine(engine, Path(universal))
+    saved, step = int(trainer_state.get("world_size", 1)), int(trainer_state.get("step", 0))
+    return trainer_state, rank_state(path, rank, saved, seed, step)
+
+
+def rank_state(path: Path, rank: int, saved: int, seed: int, step: int) -> dict:
     """This rank's state at the new world size (module docstring, points 2 and 3)."""
     mine = read_json(path / rank_file(min(rank, saved - 1)))  # any old rank's data state: the count is global
     data = dict(mine["data"])

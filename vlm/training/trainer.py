@@ -228,8 +228,10 @@ class Trainer:
         return path
 
     def _load(self, path: Path) -> None:
-        trainer_state, rank_state = ckpt.load(self.engine, path, self.rank, self.world_size, self.universal,
-                                              self.cfg.seed)
+        if self.universal is not None:  # written by another world size (reshard.prepare converted it)
+            trainer_state, rank_state = reshard.load(self.engine, path, self.universal, self.rank, self.cfg.seed)
+        else:
+            trainer_state, rank_state = ckpt.load(self.engine, path, self.rank, self.world_size)
         self.progress = Progress.from_checkpoint(trainer_state)
         if self.engine.global_steps != self.step:
             self.engine.global_steps = self.step
