@@ -47,7 +47,7 @@ PAPER_STEP = dict(tokens=8192, ep=8, world=8, dtype_bytes=2, zero_stage=2)
 
 
 def exchange_plan(layer, x_ND: torch.Tensor) -> dict:
-    """The split sizes ``ExpertParallelMoE.dispatch_combine`` uses for ``x_ND`` (collective: every rank
+    """The split sizes ``ExpertParallelMoE.experts_sorted`` uses for ``x_ND`` (collective: every rank
     of the layer's group must call it): the rows sent to / received from each rank and the counts."""
     import torch.distributed as dist
     with torch.no_grad():

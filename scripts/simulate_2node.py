@@ -188,18 +188,7 @@ def launch(result: Result, phase: str, config: Path, extra: list[str] = ()) -> P
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, loss) of every training record, in the order written (a resumed run appends)."""
-    out = []
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if "loss" in rec:
-            out.append((int(rec["step"]), float(rec["loss"])))
-    return out
+    return [(int(r["step"]), float(r["loss"])) for r in runs.live_records(run_dir)]
 
 
 def wait_all(phase: Phase, timeout: float) -> list[int | None]:

@@ -88,22 +88,23 @@ def data(tmp_path_factory) -> dict:
     return _data(tmp_path_factory.mktemp("rws_data"))
 
 
+def _uninterrupted(data, tmp_path_factory, name: str, nproc: int, accum: int) -> Path:
+    tmp = tmp_path_factory.mktemp(f"rws_{name}")
+    proc = _run(tmp, _raw(tmp, data, name, accum), nproc)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return tmp / name
+
+
 @pytest.fixture(scope="module")
 def two_run(data, tmp_path_factory) -> Path:
     """Uninterrupted: 2 ranks x accum 1 x micro-batch 1."""
-    tmp = tmp_path_factory.mktemp("rws_two")
-    proc = _run(tmp, _raw(tmp, data, "two", 1), 2)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return tmp / "two"
+    return _uninterrupted(data, tmp_path_factory, "two", 2, 1)
 
 
 @pytest.fixture(scope="module")
 def one_run(data, tmp_path_factory) -> Path:
     """Uninterrupted: 1 rank x accum 2 x micro-batch 1 (the same samples in every step and micro-batch)."""
-    tmp = tmp_path_factory.mktemp("rws_one")
-    proc = _run(tmp, _raw(tmp, data, "one", 2), 1)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return tmp / "one"
+    return _uninterrupted(data, tmp_path_factory, "one", 1, 2)
 
 
 def test_two_ranks_to_one(data, two_run, one_run, tmp_path):

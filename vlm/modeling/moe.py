@@ -127,13 +127,8 @@ class MoEFeedForward(nn.Module):
         of the grouped GEMM (never computed), and masked to zero on the way in and out."""
         N, K = experts_NK.shape
         E = self.num_experts
-        flat_e = experts_NK.reshape(-1)
-        if keep_N is not None:
-            flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, E)
-        sorted_e, order = flat_e.sort(stable=True)
+        sorted_e, order, ends_E, counts_E = sort_by_expert(experts_NK, E, keep_N)
         token_idx = order // K
-        ends_E = torch.searchsorted(sorted_e, torch.arange(E, device=flat_e.device), right=True)
-        counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
         x_sorted = x_ND[token_idx]
         real_S1 = None if keep_N is None else (sorted_e < E)[:, None]
         if real_S1 is not None:  # also keeps the unspecified gradient rows of the GEMM out of x
@@ -164,6 +159,11 @@ class MoEFeedForward(nn.Module):
         for the device and dtype (CPU, CUDA bf16; see ``grouped_swiglu``)."""
         if self.dispatch == "loop":
             return self.forward_loop(x_BTD, valid_BT)
+        return self.forward_sorted(x_BTD, valid_BT)
+
+    def forward_sorted(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
+        """Route, ``experts_sorted``, shared expert, losses (the expert-parallel layer swaps in its
+        own ``experts_sorted``)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         keep_N = None if valid_BT is None else valid_BT.reshape(-1).bool()
@@ -211,6 +211,18 @@ class MoEFeedForward(nn.Module):
         frac_E = counts_E.float() / (n * self.top_k)
         lb = self.num_experts * (frac_E * p_E).sum()
         return MoEStats(lb_loss=lb, z_loss=z, tokens_per_expert=counts_E.detach())
+
+
+def sort_by_expert(experts_NK: torch.Tensor, num_experts: int, keep_N: torch.Tensor | None = None):
+    """The N * K assignments sorted by expert (stable), padding (``keep_N`` False) given id E and so
+    sorted last. Returns (sorted expert ids, order, segment ends [E], counts [E]); no host sync."""
+    N, K = experts_NK.shape
+    flat_e = experts_NK.reshape(-1)
+    if keep_N is not None:
+        flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, num_experts)
+    sorted_e, order = flat_e.sort(stable=True)
+    ends_E = torch.searchsorted(sorted_e, torch.arange(num_experts, device=flat_e.device), right=True)
+    return sorted_e, order, ends_E, torch.diff(ends_E, prepend=ends_E.new_zeros(1))
 
 
 def init_moe_weights(module: MoEFeedForward, std: float) -> None:

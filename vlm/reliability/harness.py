@@ -3,7 +3,6 @@ final weights with an uninterrupted run. Every case trains the same 2-process Ze
 tiny VLM, so one reference run serves all of them."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -74,18 +73,7 @@ class Run:
 
     # --- watching --------------------------------------------------------------------------------
     def records(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line being written right now
-            if "loss" in rec:
-                out.append(rec)
-        return out
+        return runs.live_records(self.run_dir)
 
     def last_step(self) -> int:
         recs = self.records()

@@ -67,3 +67,20 @@ def records(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in recs if "loss" in r]
+
+
+def live_records(run_dir: Path) -> list[dict]:
+    """``records`` of a run that may still be writing: no file yet gives [], and a line being
+    written right now (not yet valid JSON) is left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in rec:
+            out.append(rec)
+    return out

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from vlm.config.core import fail
-from vlm.modeling.moe import MoEFeedForward, grouped_swiglu
+from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, sort_by_expert
 from vlm.modeling.syncs import host_sync
 
 EP_SPLIT_SYNC = "expert parallel: the all-to-all split sizes (the output shape of each exchange)"
@@ -94,6 +94,7 @@ class ExpertParallelMoE(_autoep_layer_class()):
     """A ``MoEFeedForward`` with sharded experts: same ``forward(x_BTD, valid_BT) -> (y, MoEStats)``,
     same router / shared expert / losses (the methods are ``MoEFeedForward``'s own)."""
 
+    forward = MoEFeedForward.forward_sorted
     route = MoEFeedForward.route
     losses = MoEFeedForward.losses
     _add_shared = MoEFeedForward._add_shared
@@ -131,29 +132,13 @@ class ExpertParallelMoE(_autoep_layer_class()):
         for p in self.router.parameters():
             p.allreduce = True
 
-    def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
-        B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D)
-        keep_N = None if valid_BT is None else valid_BT.reshape(-1).bool()
-        logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
-        y_ND, counts_E = self.dispatch_combine(x_ND, weights_NK, experts_NK, keep_N)
-        y_ND = self._add_shared(x_ND, y_ND)
-        if keep_N is not None:
-            y_ND = torch.where(keep_N[:, None], y_ND, 0.0)
-        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N)
-
-    def dispatch_combine(self, x_ND, weights_NK, experts_NK, keep_N=None):
-        """The assignments sorted by expert (hence by destination rank; padding last, never sent),
+    def experts_sorted(self, x_ND, weights_NK, experts_NK, keep_N=None):
+        """The dispatch of ``forward``: the assignments sorted by expert (hence by destination rank; padding last, never sent),
         exchanged, regrouped by local expert, run through one grouped SwiGLU, and sent back in the
         reverse exchange; the weighted sum per token is ``MoEFeedForward.experts_sorted``'s."""
         N, K = experts_NK.shape
         E, E_loc, P = self.num_experts, self.num_local_experts, self.ep_size
-        flat_e = experts_NK.reshape(-1)
-        if keep_N is not None:
-            flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, E)
-        sorted_e, order = flat_e.sort(stable=True)
-        ends_E = torch.searchsorted(sorted_e, torch.arange(E, device=flat_e.device), right=True)
-        counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+        _, order, _, counts_E = sort_by_expert(experts_NK, E, keep_N)
         recv_PL = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_PL, counts_E, group=self.ep_group)  # counts per (source rank, local expert)
         recv_PL = recv_PL.view(P, E_loc)
