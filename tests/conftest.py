@@ -79,3 +79,13 @@ def tiny_model():
 def make_decisive():
     """``make_decisive(model, seed)``: a decisive chunk router (see ``decisive``)."""
     return decisive
+
+
+def pytest_collection_finish(session):
+    """Freeze what importing and collecting made (torch, transformers, lmms-eval, ...: millions of
+    long-lived objects) out of the cyclic GC: every later collection, automatic or a benchmark's
+    ``gc.collect()``, then walks only what the tests create."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -87,16 +87,17 @@ def main(argv=None) -> int:
     try:
         trainer.fit()
         trainer.finish()
+        code = 0
     except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     except NonFiniteAbort as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return 3
+        code = 3
     except CheckpointWriteError as err:
         if trainer.is_main:  # every rank holds the same message
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return 5
+        code = 5
     except Exception as err:
         why = collective_failure(err)
         if why is None:
@@ -106,12 +107,26 @@ def main(argv=None) -> int:
               f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
               file=sys.stderr, flush=True)
         os._exit(4)  # the process group is broken: skip interpreter teardown, which could block on it
+    trainer.close()
+    trainer.engine.destroy()  # DeepSpeed's own teardown: hooks and pending ZeRO-3 work released
+    return code
+
+
+def _release_process_groups() -> None:
+    """The program's last step (not ``main``'s: tests call it in one process): with the trainer
+    gone, destroy the process groups before the interpreter does. Left to interpreter teardown,
+    gloo's worker threads can outlive what they hold and abort the process ("terminate called
+    without an active exception")."""
+    import gc
+
     import torch
 
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    _release_process_groups()
+    sys.exit(_code)
