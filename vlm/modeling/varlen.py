@@ -14,9 +14,10 @@ Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for te
   tokens sorted by document, keyed by the cumulative lengths ``cu_seq``. Chosen over FlexAttention:
   no compilation, no block mask to rebuild for every packing, and the layout is already the
   cu_seqlens the kernel wants.
-* ``loop`` (the CPU): causal SDPA per document on views of the rows (one gather first only when
-  the documents are not already contiguous: left padding, interleaved segment ids); runs of
-  length-1 documents (padding) in one step, out = v. Measured on one CPU thread against ``bucketed``
+* ``loop`` (the CPU): causal attention per document on views of the rows, written into one
+  output and one gradient buffer (``doc_sdpa.DocSDPA``; one gather first only when the documents
+  are not already contiguous: interleaved segment ids); runs of length-1 documents (padding) in
+  one step, out = v. Measured on one CPU thread against ``bucketed``
   (forward, 8 heads, head_dim 64): 8 x 2K tokens 569 vs 640 ms, 4K + 300 short documents 314 vs
   404 ms, 2000 documents of 1-31 tokens 163 vs 414 ms: the gathers cost more than the Python loop.
 * ``bucketed`` (CUDA without flash, e.g. fp32): documents bucketed by length (powers of two),
@@ -33,6 +34,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from vlm.modeling.doc_sdpa import DocSDPA
 from vlm.modeling.syncs import host_sync
 
 LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest document and the "
@@ -161,31 +163,13 @@ def _flash(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
 
 def _loop(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
     B, H, T, D = q_BHTD.shape
-    group = H // k_BHTD.shape[1]
     if layout.perm_N is None:  # every document is a slice of its row
-        def view(x, a, n):
-            return x[a // T: a // T + 1, :, a % T: a % T + n]
-        src = (q_BHTD, k_BHTD, v_BHTD)
-    else:  # tokens in document order, as one row: [1, heads, N, D]
-        def view(x, a, n):
-            return x[:, :, a: a + n]
-        src = tuple(_flat(x).index_select(0, layout.perm_N).view(1, B * T, -1, D).transpose(1, 2)
-                    for x in (q_BHTD, k_BHTD, v_BHTD))
-    outs = []
-    for a, n, single in layout.pieces:
-        q, k, v = (view(x, a, n) for x in src)
-        if single:  # length-1 documents: the softmax over one key is 1
-            outs.append(v.repeat_interleave(group, dim=1) if group > 1 else v)
-        else:
-            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    out_NHD = torch.cat(outs, dim=2)[0].transpose(0, 1)  # document order
-    if all(single for _, _, single in layout.pieces):
-        # q and k took no part (every document is one token): keep them in the graph with a zero
-        # gradient, as the other kernels do, so data-parallel ranks reduce the same gradients
-        out_NHD = out_NHD + 0.0 * (src[0].sum() + src[1].sum())
-    if layout.perm_N is not None:
-        out_NHD = out_NHD.index_select(0, layout.inv_N)
-    return out_NHD.reshape(B, T, H, D)
+        return DocSDPA.apply(q_BHTD, k_BHTD, v_BHTD, layout.pieces, T)
+    # tokens in document order, as one row: [1, heads, N, D]
+    src = tuple(_flat(x).index_select(0, layout.perm_N).view(1, B * T, -1, D).transpose(1, 2)
+                for x in (q_BHTD, k_BHTD, v_BHTD))
+    out_NHD = DocSDPA.apply(*src, layout.pieces, B * T)[0]
+    return out_NHD.index_select(0, layout.inv_N).view(B, T, H, D)
 
 
 def _bucketed(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
