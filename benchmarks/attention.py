@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks.cli import base_parser, logger, parse_sizes, setup
-from benchmarks.harness import free_memory, interleaved, peak_memory_median, stats
+from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
 from benchmarks.report import (
     finish,
     fmt_bytes,
@@ -84,7 +84,7 @@ def run(argv=None) -> dict:
     ap.add_argument("--dense-max", default=None,
                     help="longest row timed with the dense mask (default 8K on the CPU: 12 s per call there; "
                          "16K on CUDA: the [T, T] mask alone is T^2 bytes)")
-    ap.add_argument("--mem-reps", type=int, default=3,
+    ap.add_argument("--mem-reps", type=int, default=5,
                     help="peak-memory calls per variant (median; the CPU RSS mark varies ~+-20%% call to call)")
     args = ap.parse_args(argv)
     s = setup(NAME, args, PRESETS, REPS)
@@ -121,7 +121,7 @@ def run(argv=None) -> dict:
               f"- the mask / layout is built once per stack in a model forward: built outside the timed call, "
               f"its build time (one call) and bytes reported apart\n"
               f"- peak memory: {results[0]['peak_method'] if results else 'n/a'}, median of {args.mem_reps} extra "
-              f"untimed calls per variant, above what was allocated before it (inputs, weights, mask)\n" + lines + skipped
+              f"untimed calls per variant (the variants taking turns), above what was allocated before it (inputs, weights, mask)\n" + lines + skipped
               + "\n" + table + "\n")
         return {"layer": {"hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": layer.head_dim},
                 "docs": DOCS, "dense_max": dense_max, "target_ratio": TARGET, "results": results}, md
@@ -151,7 +151,7 @@ def run(argv=None) -> dict:
         log(f"T={T} ({DOCS} x {L}): {s.warmup} warm-up + {s.reps} rounds: {', '.join(variants)}")
         try:
             comp = interleaved(variants, s.device, s.reps, s.warmup, log=log)
-            mem = {k: peak_memory_median(fn, s.device, args.mem_reps) for k, fn in variants.items()}
+            mem = peak_memory_interleaved(variants, s.device, args.mem_reps)
         except (torch.OutOfMemoryError, MemoryError) as err:
             results.append({**res, "skipped": oom_reason(err)})
             free_memory(s.device)

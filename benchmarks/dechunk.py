@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.cli import base_parser, logger, setup
-from benchmarks.harness import free_memory, interleaved, peak_memory_median, stats
+from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
 from benchmarks.report import (
     finish,
     fmt_bytes,
@@ -76,7 +76,7 @@ def run(argv=None) -> dict:
         variants = {f"M={M}": step_fn(inputs[M]) for M in sizes}
         log(f"D={D} R={args.ratio}: {s.warmup} warm-up + {s.reps} rounds over M={sizes}")
         comp = interleaved(variants, s.device, s.reps, s.warmup, log=log)
-        mem = {M: peak_memory_median(variants[f"M={M}"], s.device, 3) for M in sizes}
+        mem = peak_memory_interleaved({M: variants[f"M={M}"] for M in sizes}, s.device, 3)
         group = []
         for M in sizes:
             per_round = [t / t0 for t, t0 in zip(comp.times[f"M={M}"], comp.times[f"M={lo}"])]
@@ -111,7 +111,7 @@ def run(argv=None) -> dict:
               f"{args.ratio} tokens; backward to h, concepts and router probabilities\n"
               f"- per width D, every size is a variant of the same interleaved rounds; 'time / M={lo}' is the "
               f"median of per-round ratios\n" + verdicts +
-              f"- peak memory: {results[0]['peak_method']} (median of 3 extra untimed calls per size)\n\n" + table + "\n")
+              f"- peak memory: {results[0]['peak_method']} (median of 3 extra untimed calls per size, the sizes taking turns)\n\n" + table + "\n")
         return {"widths": widths, "ratio": args.ratio, "targets": targets, "results": results}, md
 
     def plot(plt):

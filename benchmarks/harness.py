@@ -186,6 +186,20 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> dict:
 
 def peak_memory_median(fn: Callable[[], object], device: torch.device, n: int = 1) -> dict:
     """``peak_memory`` ``n`` times; the median bytes (and every sample)."""
-    samples = [peak_memory(fn, device) for _ in range(max(1, n))]
-    xs = sorted(s["bytes"] for s in samples)
-    return {"bytes": statistics.median(xs), "samples": xs, "method": samples[0]["method"]}
+    return peak_memory_interleaved({"fn": fn}, device, n)["fn"]
+
+
+def peak_memory_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, n: int = 1) -> dict:
+    """``peak_memory`` of every variant ``n`` times, the variants taking turns (round r: each once,
+    the order rotated by r), so no variant always meets the heap as the previous one left it.
+    Per variant: the median bytes and every sample."""
+    keys = list(fns)
+    samples: dict[str, list] = {k: [] for k in keys}
+    for r in range(max(1, n)):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            samples[k].append(peak_memory(fns[k], device))
+    out = {}
+    for k, got in samples.items():
+        xs = sorted(s["bytes"] for s in got)
+        out[k] = {"bytes": statistics.median(xs), "samples": xs, "method": got[0]["method"]}
+    return out

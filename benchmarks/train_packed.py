@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.cli import base_parser, logger, setup
-from benchmarks.harness import free_memory, interleaved, peak_memory_median, stats
+from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
 from benchmarks.model_pair import add_pair_args, build_model, load_pair
 from benchmarks.report import (
     finish,
@@ -227,7 +227,7 @@ def run(argv=None) -> dict:
               + f" -> **{calib['eval_ratio_after']:.3f}** (target {calib['target_ratio']}, within 10%: "
               f"{'yes' if calib['within_tolerance'] else 'NO'})\n"
               f"- peak memory: {ok[0]['peak_method'] if ok else 'n/a'}, median of {args.mem_reps} extra untimed step(s) "
-              f"per model (CPU: the RSS mark varies ~+-20% call to call; raise --mem-reps)\n"
+              f"per model, the models taking turns (CPU: the RSS mark varies ~+-20% call to call; raise --mem-reps)\n"
               + "".join(f"- T={r['seq_len']:,}: ConceptMoE step speedup **{fmt_pct(r['speedup']['median_of_ratios'])}**"
                         f" [{fmt_pct(r['speedup']['ratio_q1'])}, {fmt_pct(r['speedup']['ratio_q3'])}], R in "
                         f"the timed steps {r['achieved_ratio_train']:.3f}, eval R {r['achieved_ratio_eval']:.3f}\n"
@@ -257,7 +257,7 @@ def run(argv=None) -> dict:
         log(f"T={T} x {args.batch} ({batch['docs_per_row']} documents): {s.warmup} warm-up + {s.reps} rounds")
         try:
             comp = interleaved(variants, s.device, s.reps, s.warmup, log=log)
-            mem = {k: peak_memory_median(fn, s.device, args.mem_reps) for k, fn in variants.items()}
+            mem = peak_memory_interleaved(variants, s.device, args.mem_reps)
             r_eval = eval_ratio(models["concept"], batch)
         except (torch.OutOfMemoryError, MemoryError) as err:
             results.append({"seq_len": T, "batch": args.batch, "skipped": oom_reason(err)})

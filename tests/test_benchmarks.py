@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import attention, dechunk, decode, expert_parallel, moe, prefill, run_all, train, train_packed
 from benchmarks.cli import parse_sizes
-from benchmarks.harness import interleaved, peak_memory, stats
+from benchmarks.harness import interleaved, peak_memory, peak_memory_interleaved, stats
 from benchmarks.model_pair import build_model, load_pair, random_ids
 
 SMOKE = ["--smoke", "--threads", "1"]
@@ -211,6 +211,15 @@ def test_expert_parallel_smoke(expert_parallel_data):
 def test_peak_memory_sees_an_allocation():
     got = peak_memory(lambda: torch.ones(64 * 2**20 // 4).add_(1), torch.device("cpu"))
     assert got["bytes"] >= 32 * 2**20, got  # a 64 MiB tensor (RSS-based: page-granular, allow slack)
+
+
+def test_peak_memory_variants_take_turns():
+    calls = []
+    fns = {k: (lambda k=k, n=n: calls.append(k) or torch.ones(n * 2**20 // 4).add_(1)) for k, n in (("a", 64), ("b", 1))}
+    got = peak_memory_interleaved(fns, torch.device("cpu"), 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # each round rotated: no variant always goes first
+    assert len(got["a"]["samples"]) == len(got["b"]["samples"]) == 4
+    assert got["a"]["bytes"] >= 32 * 2**20 > got["b"]["bytes"], got
 
 
 def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
