@@ -171,6 +171,10 @@ if wants bench; then
     step bench-decode 75 "$PY" -m benchmarks.decode "${B[@]}" --sizes 1024,8192 --batches 1,8 --reps 3
     step bench-moe 45 "$PY" -m benchmarks.moe "${B[@]}" --sizes 64,1024,16384 --reps 3
     step bench-train 50 "$PY" -m benchmarks.train "${B[@]}" --reps 3
+    # the training path (issue targets: flash varlen >= 2x the dense mask at 8K; dechunk 16K / 1K)
+    step bench-attention 45 "$PY" -m benchmarks.attention "${B[@]}" --sizes 8192,16384 --reps 5
+    step bench-dechunk 30 "$PY" -m benchmarks.dechunk "${B[@]}" --sizes 1024,16384 --reps 5
+    step bench-train-packed 90 "$PY" -m benchmarks.train_packed "${B[@]}" --sizes 8192 --reps 5
     step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
   fi
 fi
