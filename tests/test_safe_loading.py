@@ -13,6 +13,8 @@ runs, whichever of our loaders meets it.
   the folder incomplete; one under ``rank_00000.json`` fails to parse; ``*.pt`` extras are never
   opened by our code. DeepSpeed's own engine files (``*_model_states.pt``) are out of scope:
   resuming trusts the run directory.
+* ``load_state_dict_checked``: a tied ``lm_head`` missing from the source is loaded through the
+  embedding (not missing); an untied one is missing; a stray key is unexpected.
 """
 import json
 import os
@@ -26,7 +28,7 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 from vlm.convert import main as convert_main
 from _ckpt import FakeEngine
 from _ckpt import save as save_checkpoint
-from vlm.safe_loading import NotJSONError, UnsafeCheckpoint, read_json, require_safetensors
+from vlm.safe_loading import NotJSONError, UnsafeCheckpoint, load_state_dict_checked, read_json, require_safetensors
 from vlm.training import checkpoint as ck
 
 
@@ -322,3 +324,15 @@ def test_read_json_refuses_a_pickle_in_one_line(tmp_path, marker, protocol):
     path.write_text(json.dumps({"step": 3}))
     assert read_json(path) == {"step": 3}
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_state_dict_keys_accounted_for(tied):
+    cfg = ConceptMoEConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
+                           moe_intermediate_size=16, chunking=False, tie_word_embeddings=tied)
+    src, dst = ConceptMoEForCausalLM(cfg), ConceptMoEForCausalLM(cfg)
+    state = {k: v for k, v in src.state_dict().items() if k != "lm_head.weight"}
+    missing, unexpected = load_state_dict_checked(dst, {**state, "model.stray.weight": torch.zeros(1)})
+    assert missing == ([] if tied else ["lm_head.weight"]) and unexpected == ["model.stray.weight"]
+    assert torch.equal(dst.lm_head.weight, src.model.embed_tokens.weight) == tied

@@ -1,5 +1,6 @@
 """Safe loading: our checkpoints are safetensors and our metadata JSON; a pickle is never unpickled
-unless asked for (``trust_pickle=True``)."""
+unless asked for (``trust_pickle=True``); a state dict is loaded with every key accounted for
+(``load_state_dict_checked``)."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,15 @@ def read_json(path):
         raise NotJSONError(f"{path}: not a JSON file: binary data{hint}") from None
     except (ValueError, RecursionError) as err:
         raise NotJSONError(f"{path}: not a JSON file: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def load_state_dict_checked(model, state: dict) -> tuple[list[str], list[str]]:
+    """``model.load_state_dict(state, strict=False)``; returns (missing, unexpected). A missing key
+    whose tensor IS a loaded one (a tied ``lm_head`` shares the embedding's parameter) is not
+    missing: it was loaded through its twin. Callers turn non-empty lists into their own one-line
+    error."""
+    result = model.load_state_dict(state, strict=False)
+    own = model.state_dict(keep_vars=True)
+    loaded = {id(own[k]) for k in own if k in state}
+    missing = [k for k in result.missing_keys if id(own[k]) not in loaded]
+    return missing, list(result.unexpected_keys)

@@ -11,7 +11,7 @@ from pathlib import Path
 from vlm.hf_import.configs import FAMILIES, imported_config
 from vlm.hf_import.weights import map_weights, read_safetensors
 from vlm.modeling.hf import ConceptMoEForCausalLM
-from vlm.safe_loading import require_safetensors
+from vlm.safe_loading import load_state_dict_checked, require_safetensors
 
 
 def hf_family(src: Path) -> str | None:
@@ -38,10 +38,9 @@ def import_hf(src: Path) -> ConceptMoEForCausalLM:
     sd = map_weights(read_safetensors(src), cfg.tie_word_embeddings)
     dtype = sd["model.embed_tokens.weight"].dtype
     model = ConceptMoEForCausalLM(cfg).to(dtype)
-    result = model.load_state_dict(sd, strict=False)
-    missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
-    if result.unexpected_keys:
-        raise ValueError(f"weights with no home in the imported model: {result.unexpected_keys[:5]}")
+    missing, unexpected = load_state_dict_checked(model, sd)
+    if unexpected:
+        raise ValueError(f"weights with no home in the imported model: {unexpected[:5]}")
     if missing:
         raise ValueError(f"the checkpoint lacks weights the imported model needs: {missing[:5]}")
     if cfg.tie_word_embeddings:

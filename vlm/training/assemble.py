@@ -16,7 +16,7 @@ import torch
 
 from vlm.config.core import ConfigError, fail
 from vlm.config.model import FIELD_OWNER, ConceptMoEConfig
-from vlm.safe_loading import read_json, require_safetensors
+from vlm.safe_loading import load_state_dict_checked, read_json, require_safetensors
 
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 OWN_TYPES = {"lm": "conceptmoe", "vlm": "conceptmoe_vlm"}
@@ -119,11 +119,10 @@ def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, s
     bad = shape_mismatches(llm.state_dict, target.state_dict())
     if bad:
         raise fail("model.llm", f"{llm.path}: shape mismatch with the configured model: {bad[:3]}")
-    result = target.load_state_dict(llm.state_dict, strict=False)
-    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and target.config.tie_word_embeddings)]
-    if missing or result.unexpected_keys:
+    missing, unexpected = load_state_dict_checked(target, llm.state_dict)
+    if missing or unexpected:
         raise fail("model.llm", f"{llm.path} does not match the configured model (missing {missing[:3]}, "
-                                f"unexpected {result.unexpected_keys[:3]})")
+                                f"unexpected {unexpected[:3]})")
     count, digest = weights_digest(target)
     added = f"; {len(new_ids)} new token rows = mean of {n_original}" if new_ids else ""
     say(f"[model] language model <- {llm.path} ({llm.what}): {count} tensors, {digest}{added}")

@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 
+from vlm.safe_loading import load_state_dict_checked
 from vlm.training import lora
 from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
@@ -34,8 +35,8 @@ def export_hf(ctx: RunContext) -> Path:
         fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
         if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
             lora.inject(fresh, ctx.cfg.train.lora)
-        missing, unexpected = fresh.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
+        missing, unexpected = load_state_dict_checked(fresh, state)
+        if missing or unexpected:
             raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
         if ctx.cfg.train.lora:
             lora.merge(fresh)

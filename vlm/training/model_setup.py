@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vlm.config import ConfigError
 from vlm.config.train import TrainConfig
+from vlm.safe_loading import load_state_dict_checked
 from vlm.training import assemble
 
 
@@ -141,8 +142,7 @@ def init_weights_from(model, path: str, kind: str, say=print) -> None:
     bad = assemble.shape_mismatches(source, model.state_dict())
     if bad:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model (shapes {bad[:3]})")
-    missing, unexpected = model.load_state_dict(source, strict=False)
-    missing = [m for m in missing if not m.endswith("lm_head.weight") or not model.config.tie_word_embeddings]
+    missing, unexpected = load_state_dict_checked(model, source)
     if missing or unexpected:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
