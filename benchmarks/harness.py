@@ -184,11 +184,6 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> dict:
     return {"bytes": max(0, after - before), "method": "ru_maxrss_growth_lower_bound"}
 
 
-def peak_memory_median(fn: Callable[[], object], device: torch.device, n: int = 1) -> dict:
-    """``peak_memory`` ``n`` times; the median bytes (and every sample)."""
-    return peak_memory_interleaved({"fn": fn}, device, n)["fn"]
-
-
 def peak_memory_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, n: int = 1) -> dict:
     """``peak_memory`` of every variant ``n`` times, the variants taking turns (round r: each once,
     the order rotated by r), so no variant always meets the heap as the previous one left it.

@@ -28,6 +28,13 @@ def _group_sum(g_1HnD: torch.Tensor, group: int) -> torch.Tensor:  # [1, H, n, D
     return g_1HnD.reshape(1, H // group, group, n, D).sum(2)
 
 
+def _spans(pieces, T: int):
+    """(is a run of length-1 documents, row slice, position slice) of every piece."""
+    for a, n, single in pieces:
+        b, t = divmod(a, T)
+        yield single, slice(b, b + 1), slice(t, t + n)
+
+
 class DocSDPA(torch.autograd.Function):
     """``apply(q_BHTD, k_BHTD, v_BHTD, pieces, T)`` -> out [B, T, H, D] (contiguous).
 
@@ -41,9 +48,7 @@ class DocSDPA(torch.autograd.Function):
         group = H // k_BHTD.shape[1]
         out_BTHD = q_BHTD.new_empty(B, T, H, D)
         lse_BHT = q_BHTD.new_zeros(B, H, T, dtype=torch.float32)
-        for a, n, single in pieces:
-            b, t = divmod(a, T)
-            rows, span = slice(b, b + 1), slice(t, t + n)
+        for single, rows, span in _spans(pieces, T):
             v = _expand(v_BHTD[rows, :, span], group)
             if single:
                 out_BTHD[rows, span].copy_(v.transpose(1, 2))
@@ -60,9 +65,7 @@ class DocSDPA(torch.autograd.Function):
         q_BHTD, k_BHTD, v_BHTD, out_BTHD, lse_BHT = ctx.saved_tensors
         T, group = ctx.T, ctx.group
         dq, dk, dv = torch.zeros_like(q_BHTD), torch.zeros_like(k_BHTD), torch.zeros_like(v_BHTD)
-        for a, n, single in ctx.pieces:
-            b, t = divmod(a, T)
-            rows, span = slice(b, b + 1), slice(t, t + n)
+        for single, rows, span in _spans(ctx.pieces, T):
             g = g_BTHD[rows, span].transpose(1, 2)
             if single:
                 dv[rows, :, span] = _group_sum(g, group)
