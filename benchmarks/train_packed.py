@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
-from benchmarks.model_pair import add_pair_args, build_model, load_pair
+from benchmarks.model_pair import add_pair_args, build_model, load_pair, predicted_speedup
 from benchmarks.report import (
     finish,
     fmt_bytes,
@@ -37,6 +37,7 @@ from benchmarks.report import (
     settings_line,
     write_results,
 )
+from vlm.training.metrics import doc_tokens_sq
 
 NAME = "train_packed"
 PRESETS = {"smoke": [128, 256], "cpu": [2048, 8192, 16384], "gpu": [2048, 8192, 16384]}
@@ -67,6 +68,16 @@ def packed_batch(batch: int, T: int, doc_len: int, vocab: int, device, seed: int
     to = lambda x: x.to(device)
     return {"input_ids": to(ids), "labels": to(labels), "segment_ids": to(seg), "position_ids": to(pos),
             "attention_mask": to(torch.ones(batch, T, dtype=torch.long)), "docs_per_row": docs}
+
+
+def predicted(base_cfg, con_cfg, segment_ids_BT: torch.Tensor, ratio: float) -> dict:
+    """The accountant's forward-FLOP speedup for these rows at the timed R: attention spans one document,
+    so its map is counted at the token-weighted mean document length (sum L^2 / sum L), the causal half
+    (what the per-document flash kernels compute) and, for reference, the full map."""
+    mean_doc = float(doc_tokens_sq(segment_ids_BT, "cpu")) / max(int((segment_ids_BT > 0).sum()), 1)
+    return {"mean_doc_len": mean_doc,
+            "predicted_speedup_causal": predicted_speedup(base_cfg, con_cfg, mean_doc, ratio=ratio, causal_half=True),
+            "predicted_speedup_full_map": predicted_speedup(base_cfg, con_cfg, mean_doc, ratio=ratio)}
 
 
 def model_inputs(batch: dict) -> dict:
@@ -229,7 +240,9 @@ def run(argv=None) -> dict:
               f"- peak memory: {ok[0]['peak_method'] if ok else 'n/a'}, median of {args.mem_reps} extra untimed step(s) "
               f"per model, the models taking turns (CPU: the RSS mark varies ~+-20% call to call; raise --mem-reps)\n"
               + "".join(f"- T={r['seq_len']:,}: ConceptMoE step speedup **{fmt_pct(r['speedup']['median_of_ratios'])}**"
-                        f" [{fmt_pct(r['speedup']['ratio_q1'])}, {fmt_pct(r['speedup']['ratio_q3'])}], R in "
+                        f" [{fmt_pct(r['speedup']['ratio_q1'])}, {fmt_pct(r['speedup']['ratio_q3'])}]; the "
+                        f"accountant's forward-FLOP prediction {fmt_pct(r['predicted_speedup_causal'])} (causal "
+                        f"attention within documents of token-weighted mean length {r['mean_doc_len']:,.0f}); R in "
                         f"the timed steps {r['achieved_ratio_train']:.3f}, eval R {r['achieved_ratio_eval']:.3f}\n"
                         for r in ok)
               + "".join(f"- T={r['seq_len']:,}: {r['skipped']}\n" for r in results if "skipped" in r)
@@ -273,6 +286,7 @@ def run(argv=None) -> dict:
                "achieved_ratio_train": sum(ratios) / len(ratios), "achieved_ratio_train_min": min(ratios),
                "achieved_ratio_train_max": max(ratios), "achieved_ratio_eval": r_eval,
                "peak_method": mem["moe"]["method"], "raw_times": comp.times}
+        res.update(predicted(base_cfg, con_cfg, batch["segment_ids"], res["achieved_ratio_train"]))
         for tag in models:
             st = comp.stats(tag)
             res[tag] = {"step_s": st, "tokens_per_s": args.batch * T / st["median"],
@@ -290,7 +304,8 @@ def run(argv=None) -> dict:
         log(f"T={T}: MoE {res['moe']['tokens_per_s']:,.0f} tok/s, ConceptMoE {res['concept']['tokens_per_s']:,.0f} "
             f"tok/s, time ratio {res['concept_over_moe_time']['median']:.3f}x, memory ratio "
             f"{res['concept_over_moe_memory'] or float('nan'):.2f}x, R train {res['achieved_ratio_train']:.3f} "
-            f"eval {r_eval:.3f}")
+            f"eval {r_eval:.3f}; predicted speedup {fmt_pct(res['predicted_speedup_causal'])} (mean document "
+            f"{res['mean_doc_len']:,.0f} tokens)")
         inputs = batch = variants = None
         free_memory(s.device)
         write_results(s, *report(), partial=True)

@@ -149,6 +149,19 @@ def test_train_packed_smoke(train_packed_data):
         for tag in ("moe", "concept"):
             assert r[tag]["tokens_per_s"] > 0 and r[tag]["peak_bytes"] > 0
             assert all(math.isfinite(x) for x in r[tag]["loss_first_last"])
+        assert 1 <= r["mean_doc_len"] < r["seq_len"]
+        assert r["predicted_speedup_causal"] < r["predicted_speedup_full_map"]
+
+
+def test_train_packed_prediction_counts_attention_per_document():
+    base, con, _ = load_pair("smoke", 2.0, seq_len=64, boundary_mode="dynamic")
+    seg = torch.tensor([[1, 1, 1, 2, 0, 0]])  # documents of 3 and 1 tokens, 2 padding
+    assert train_packed.predicted(base, con, seg, 2.0)["mean_doc_len"] == pytest.approx((9 + 1) / 4)
+    short = train_packed.predicted(base, con, torch.arange(1, 4097).repeat_interleave(16)[None], 2.0)
+    whole = train_packed.predicted(base, con, torch.ones(1, 65536, dtype=torch.long), 2.0)
+    assert short["mean_doc_len"] == 16 and whole["mean_doc_len"] == 65536
+    # the attention map is what ConceptMoE shrinks by R^2: long documents give the larger speedup
+    assert short["predicted_speedup_causal"] < whole["predicted_speedup_causal"]
 
 
 def test_packed_batch_layout():
