@@ -46,9 +46,11 @@ def main(argv=None) -> int:
         for path in sorted(out.glob("*.json"), key=_order):
             data = json.loads(path.read_text())
             info = info or data.get("machine")
-            status[path.stem] = ("partial (interrupted)" if data.get("partial") else "ok", None, None)
+            st = "partial (interrupted)" if data.get("partial") else "ok"
+            status[path.stem] = (f"{st}, git {data.get('machine', {}).get('git')}", None, None)
         names = list(status)
-        write_summary(out, status, None, args, info)
+        # the files may come from several runs: each one's commit is in its status line
+        write_summary(out, status, None, args, dict(info or {}, git="per benchmark below"))
         print(f"wrote {out / 'SUMMARY.md'} ({', '.join(names)})")
         return 0
     shared = ["--device", args.device, "--threads", str(args.threads), "--out", args.out]

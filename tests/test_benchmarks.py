@@ -243,6 +243,7 @@ def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train
                   "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling",
                   "Expert parallelism"):
         assert title in text
+    assert "| train_packed | ok, git " in text  # files of several runs: each names its commit
     assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk", "expert_parallel"}
 
 
