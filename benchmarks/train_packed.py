@@ -12,8 +12,10 @@ synthetic packed rows (the router learns from the ratio loss), more (up to ``--c
 until the eval-mode R is within 10% of the target; if it still is not (on random-token data the small
 ratio-loss weight moves R slowly: the CPU pair starts at R ~ 7 with the identity router init and stays
 there for 40 steps), ``adjust_router`` blends the router's key projection towards a random one until
-it is. The achieved R (eval, and in the timed training steps with boundary noise) is reported. Peak memory of one step: CUDA max_memory_allocated, CPU the
-RSS high-water mark (harness.peak_memory).
+it is. The achieved R (eval, and in the timed training steps with boundary noise) is reported, and
+beside each speedup the accountant's forward-FLOP prediction for the same rows (``predicted``: the
+attention map counted within documents). Peak memory of one step: CUDA max_memory_allocated, CPU
+the RSS high-water mark (harness.peak_memory_interleaved).
 
     python -m benchmarks.train_packed [--sizes 2K,8K,16K] [--doc-len 1024] [--smoke]
 """
