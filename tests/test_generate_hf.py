@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
 from vlm.modeling.cache import ConceptCache, select_rows, state_tensors
+from vlm.modeling.hf_features import returned_cache
 from vlm.modeling.chunking import IMAGE, TEXT, ChunkCarry
 from vlm.modeling.hf import ConceptMoEForCausalLM
 
@@ -183,7 +184,8 @@ def test_streamer_and_return_dict(tiny_model):
     assert out.sequences.shape == (2, T + n) and len(out.scores) == n and len(out.logits) == n
     assert all(s.shape == (2, model.config.vocab_size) for s in out.scores)
     assert torch.equal(torch.stack([s.argmax(-1) for s in out.scores], 1), out.sequences[:, T:])
-    assert isinstance(out.cache, ConceptCache) and out.cache.get_seq_length() == T + n - 1
+    cache = returned_cache(out)   # out.cache (or out.past_key_values on older transformers)
+    assert isinstance(cache, ConceptCache) and cache.get_seq_length() == T + n - 1
     with torch.no_grad():
         full = model(out.sequences, attention_mask=torch.cat([am, torch.ones_like(am[:, :n])], 1)).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, T - 1:-1], **tol(1e-4, 1e-4))
@@ -197,11 +199,11 @@ def test_continue_from_returned_cache(tiny_model):
     whole = model.generate(ids, attention_mask=am, max_new_tokens=10)
     first = model.generate(ids, attention_mask=am, max_new_tokens=6, return_dict_in_generate=True)
     mask = torch.cat([am, torch.ones_like(am[:, :6])], 1)
-    rest = model.generate(first.sequences, attention_mask=mask, cache=first.cache, max_new_tokens=4)
+    rest = model.generate(first.sequences, attention_mask=mask, cache=returned_cache(first), max_new_tokens=4)
     assert torch.equal(rest, whole)
     with pytest.raises(ValueError, match="continues"):
         short = rest[:, :-3]  # the cache holds ids + 9 tokens now: 8 + one new would be wrong
-        model.generate(short, attention_mask=torch.cat([am, torch.ones_like(am[:, :7])], 1), cache=first.cache,
+        model.generate(short, attention_mask=torch.cat([am, torch.ones_like(am[:, :7])], 1), cache=returned_cache(first),
                        max_new_tokens=2)
 
 

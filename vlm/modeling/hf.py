@@ -34,6 +34,7 @@ from vlm.modeling.cache import ConceptCache
 from vlm.modeling.chunking import TEXT, ChunkModule
 from vlm.modeling.conceptmoe import CompressionStats, ConceptMoEModel
 from vlm.modeling.generation import DecodeState, decode_step
+from vlm.modeling.hf_features import generation_cache_key
 from vlm.modeling.moe import MoEFeedForward
 from vlm.safe_loading import require_safetensors
 
@@ -326,22 +327,28 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
                                       max_cache_length) -> None:
         """A fresh ``ConceptCache`` sized for prompt + new tokens; a given one must be a ConceptCache (it
         grows to that size: a continued generation)."""
-        given = model_kwargs.get("cache")
+        key = generation_cache_key()  # "cache" or, on older transformers, "past_key_values"
+        given = model_kwargs.pop("cache", None)
+        given = model_kwargs.pop("past_key_values", None) if given is None else given
         if given is not None:
             if not isinstance(given, ConceptCache):
                 raise ValueError(f"ConceptMoE generate: a {type(given).__name__} cache is not supported: pass a "
                                  "ConceptCache (vlm/modeling/cache.py) or none")
             given.ensure_capacity(max_cache_length + 1)
+            model_kwargs[key] = given
             return
         if generation_config.use_cache is not False:
-            model_kwargs["cache"] = ConceptCache(max_cache_length + 1)
+            model_kwargs[key] = ConceptCache(max_cache_length + 1)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, modality_ids=None,
-                                      position_ids=None, use_cache=None, logits_to_keep=None, **kwargs):
+                                      position_ids=None, use_cache=None, logits_to_keep=None,
+                                      past_key_values=None, **kwargs):
         """Started cache: the last token only (the state knows positions, padding and modality). Fresh
         cache (the prefill): the whole prompt, as ``inputs_embeds`` when given. No cache: the whole
-        sequence so far, new tokens being text."""
+        sequence so far, new tokens being text. The cache comes as ``cache`` or ``past_key_values``
+        (``hf_features.generation_cache_key``)."""
+        cache = past_key_values if cache is None else cache
         extra = sorted(k for k, v in kwargs.items() if v is not None and k not in ("tokenizer", "assistant_tokenizer"))
         if extra:  # (the tokenizers are stop_strings' / the loop's, not model inputs)
             raise ValueError(f"ConceptMoE generate: unsupported model inputs {extra}")

@@ -6,7 +6,8 @@ through its weights in one ``torch._grouped_mm`` per projection, and the weighte
 scattered back with ``index_add_``. No token is ever dropped, and nothing is read on the host: the
 segment ends (``offs``) stay on the device, and padding is not removed (a data-dependent shape) but
 sorted behind every expert's segment, outside every group (not computed), and masked to zero.
-Only where torch has no grouped GEMM (CUDA in fp32 / fp16, a torch without ``_grouped_mm``) the
+Only where torch's grouped GEMM does not serve the device and dtype (probed once by
+``features.grouped_mm_ok``: e.g. CUDA fp32 on some releases, a torch without ``_grouped_mm``) the
 segments go through a per-expert loop over ``split`` sizes read on the host (a named host sync, see
 syncs.py). ``MoEFeedForward.forward_loop`` (``moe_dispatch="loop"``) is the plain per-expert
 reference (it removes the padding by boolean indexing), kept for tests.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 
 from vlm.config import MoEConfig
+from vlm.modeling.features import grouped_mm_ok
 from vlm.modeling.syncs import host_sync
 
 
@@ -57,7 +59,7 @@ def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_ED
     """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert): expert e takes
     rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device). Rows from offs[-1] on belong
     to no expert: their outputs are unspecified (uninitialised memory) and the caller masks them."""
-    if GROUPED_MM and (not x_ND.is_cuda or x_ND.dtype == torch.bfloat16):
+    if GROUPED_MM and grouped_mm_ok(x_ND.device.type, x_ND.dtype):
         h = F.silu(torch._grouped_mm(x_ND, w_gate_EDI, offs=offs_E)) * torch._grouped_mm(x_ND, w_up_EDI, offs=offs_E)
         return torch._grouped_mm(h, w_down_EID, offs=offs_E)
     with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints

@@ -10,7 +10,7 @@ padding query there also sees the earlier valid keys of its segment (its output 
 Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for tests):
 
 * ``flash`` (CUDA, fp16 / bf16, head_dim % 8 == 0 and <= 256): ``torch.nn.attention.varlen
-  .varlen_attn`` (FlashAttention-2 varlen, causal via ``window_size=(-1, 0)``, native GQA) over the
+  .varlen_attn`` (FlashAttention-2 varlen, causal, GQA; ``features.varlen_call``) over the
   tokens sorted by document, keyed by the cumulative lengths ``cu_seq``. Chosen over FlexAttention:
   no compilation, no block mask to rebuild for every packing, and the layout is already the
   cu_seqlens the kernel wants.
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm.modeling.doc_sdpa import DocSDPA
+from vlm.modeling.features import varlen_api, varlen_call
 from vlm.modeling.syncs import host_sync
 
 LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest document and the "
@@ -125,7 +126,7 @@ class DocLayout:
 
 def flash_applies(q_BHTD: torch.Tensor) -> bool:
     D = q_BHTD.shape[-1]
-    return (KERNEL == "auto" and q_BHTD.is_cuda and q_BHTD.dtype in (torch.float16, torch.bfloat16)
+    return (KERNEL == "auto" and q_BHTD.is_cuda and varlen_api() is not None and q_BHTD.dtype in (torch.float16, torch.bfloat16)
             and D % 8 == 0 and D <= 256)
 
 
@@ -150,14 +151,12 @@ def _flat(x_BHTD: torch.Tensor) -> torch.Tensor:  # [N, heads * D], row-major to
 
 
 def _flash(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
     B, H, T, D = q_BHTD.shape
     p = layout.perm_N
     q_NHD, k_NHD, v_NHD = (_flat(x).view(B * T, -1, D) for x in (q_BHTD, k_BHTD, v_BHTD))
     if p is not None:
         q_NHD, k_NHD, v_NHD = q_NHD[p], k_NHD[p], v_NHD[p]
-    out = varlen_attn(q_NHD, k_NHD, v_NHD, layout.cu_seq, layout.cu_seq, layout.max_len,
-                      layout.max_len, window_size=(-1, 0), enable_gqa=True)
+    out = varlen_call(q_NHD, k_NHD, v_NHD, layout.cu_seq, layout.max_len)
     return (out if p is None else out[layout.inv_N]).view(B, T, H, D)
 
 
