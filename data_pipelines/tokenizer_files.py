@@ -6,7 +6,6 @@ loads offline, with our special tokens registered as special (never split).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -53,17 +52,6 @@ def train_bpe_tokenizer(texts, out_dir: str, vocab_size: int = 2048):
         model_max_length=1 << 20)
     save_tokenizer_folder(tokenizer, out_dir)
     return tokenizer
-
-
-def mistral_sentencepiece_path(name: str = "tokenizer.model.v1") -> str:
-    """Path of a SentencePiece model bundled with the installed `mistral-common` package."""
-    spec = importlib.util.find_spec("mistral_common")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("mistral-common is not installed (pip install --no-deps mistral-common==1.13.1)")
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "data", name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{name} not found inside mistral-common at {path}")
-    return path
 
 
 def sentencepiece_tokenizer_folder(model_file: str, out_dir: str):

@@ -10,6 +10,16 @@ def as_bool(value) -> bool:
     return bool(value)
 
 
+def as_cpu_threads(value) -> int | None:
+    """model arg ``cpu_threads``: a positive count, or None / "auto" (OMP_NUM_THREADS, else all cores)."""
+    if value is None or str(value).strip().lower() in ("", "auto", "none", "null"):
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"conceptmoe_vlm: cpu_threads must be a positive integer or auto, got {value!r}")
+    return int(text)
+
+
 def resolve_dtype(dtype, device: str):
     import torch
 

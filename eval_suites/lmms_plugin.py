@@ -51,6 +51,7 @@ from data_pipelines.common import IGNORE_INDEX  # noqa: E402
 from eval_suites.lmms_compat import apply_lmms_eval_compat  # noqa: E402
 from eval_suites.lmms_inputs import (  # noqa: E402
     as_bool,
+    as_cpu_threads,
     build_prompt,
     check_checkpoint_dir,
     flatten_visuals,
@@ -88,7 +89,8 @@ class ConceptMoEVLMEval(lmms):
     is_simple = True
 
     def __init__(self, pretrained="runs/train-vlm/hf", processor=None, device=None, dtype="float32",
-                 batch_size=1, max_new_tokens=32, score_end_token=True, interface="simple", **kwargs) -> None:
+                 batch_size=1, max_new_tokens=32, score_end_token=True, interface="simple", cpu_threads=None,
+                 **kwargs) -> None:
         super().__init__()
         if str(interface).strip().lower() not in ("simple", "chat"):
             raise ValueError(f"conceptmoe_vlm: interface must be simple or chat, got {interface!r}")
@@ -104,6 +106,10 @@ class ConceptMoEVLMEval(lmms):
         apply_lmms_eval_compat()
 
         self._device_str = resolve_device(device)
+        if self._device_str == "cpu":  # the trainer's policy (vlm/training/distributed.py), one line
+            from vlm.training.distributed import apply_cpu_threads
+
+            print(f"[conceptmoe_vlm] {apply_cpu_threads(as_cpu_threads(cpu_threads))}", flush=True)
         if isinstance(pretrained, (str, os.PathLike)):
             path = os.fspath(pretrained)
             check_checkpoint_dir(path, need_processor=processor is None)

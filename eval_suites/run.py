@@ -41,6 +41,7 @@ def lmms_eval_command(args, output_dir: str) -> list[str]:
     model_args = f"pretrained={os.path.abspath(args.checkpoint)},dtype={args.dtype}"
     if args.device:
         model_args += f",device={args.device}"
+    model_args += f",cpu_threads={args.cpu_threads}"
     if args.model_args:
         model_args += "," + args.model_args
     launcher = ["-m", "lmms_eval"] if entry_point_installed() else ["-m", "eval_suites.lmms_cli"]
@@ -153,6 +154,10 @@ def parse_args(argv):
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:0 (default: cuda if available)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--cpu-threads", default="1",
+                        help="torch threads on CPU, the trainer's cpu_threads (default 1, as configs/train/default.yaml: "
+                             "this model's matmuls are too small for more to pay off); auto = OMP_NUM_THREADS, else "
+                             "all cores")
     parser.add_argument("--limit", type=float, default=None, help="docs per task (testing only)")
     parser.add_argument("--gen-kwargs", default="", help="lmms-eval --gen_kwargs string")
     parser.add_argument("--model-args", default="", help="extra model_args, e.g. max_new_tokens=16")
@@ -169,6 +174,11 @@ def parse_args(argv):
         args.extra = args.extra[1:]
     if args.limit is not None and args.limit == int(args.limit):
         args.limit = int(args.limit)
+    from eval_suites.lmms_inputs import as_cpu_threads
+    try:
+        args.cpu_threads = as_cpu_threads(args.cpu_threads) or "auto"
+    except ValueError as err:
+        parser.error(str(err).removeprefix("conceptmoe_vlm: ").replace("cpu_threads", "--cpu-threads"))
     return args
 
 

@@ -142,8 +142,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    parser.add_argument("--cpu-threads", default="1",
+                        help="torch threads on CPU, the trainer's cpu_threads (default 1); auto = OMP_NUM_THREADS, "
+                             "else all cores")
     parser.add_argument("--json", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
+    from eval_suites.lmms_inputs import as_cpu_threads
+    try:
+        cpu_threads = as_cpu_threads(args.cpu_threads)
+    except ValueError as err:
+        parser.error(str(err).removeprefix("conceptmoe_vlm: ").replace("cpu_threads", "--cpu-threads"))
 
     problem = checkpoint_problem(args.checkpoint, need_processor=False, model_types=MODEL_TYPES)
     if problem:
@@ -159,6 +167,10 @@ def main(argv=None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        from vlm.training.distributed import apply_cpu_threads
+
+        print(f"[text_eval] {apply_cpu_threads(cpu_threads)}", flush=True)
     result = evaluate_text(args.checkpoint, args.text, args.seq_len, args.batch_size, args.max_tokens,
                            args.tokenizer, args.dtype, device)
     for key in ("tokens", "bytes", "seq_len", "nll_per_token", "perplexity", "bits_per_token", "bits_per_byte",

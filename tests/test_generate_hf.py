@@ -245,8 +245,9 @@ def test_stop_strings(tiny_model, tmp_path):
     assert tok.decode(out[0, 10:]).endswith(texts[k])
 
 
-def _generation_warnings(fn) -> list[str]:
-    """transformers' log records (their warnings are logged once per process: the cache is cleared)."""
+def _generation_warnings(fn, mark: str = "generation flags") -> list[str]:
+    """transformers' log records containing ``mark`` (their warnings are logged once per process: the
+    cache is cleared)."""
     records = []
     handler = py_logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -257,7 +258,7 @@ def _generation_warnings(fn) -> list[str]:
         fn()
     finally:
         root.removeHandler(handler)
-    return [r for r in records if "generation flags" in r]
+    return [r for r in records if mark in r]
 
 
 def test_no_top_k_warning_at_load(tiny_model, tmp_path):
@@ -341,3 +342,24 @@ def test_vlm_is_a_generation_model_with_a_saved_generation_config(tmp_path):
     assert not _generation_warnings(lambda: got.append(VLM.from_pretrained(tmp_path / "vlm")))
     assert got[0].generation_config.max_new_tokens == 7
     assert got[0].generation_config.eos_token_id == model.config.text_config.eos_token_id
+
+
+def test_vlm_generate_passes_no_generation_config_beside_options():
+    """The VLM's own generation config holds (here its max_new_tokens) and an option given to generate
+    wins, without transformers' "Passing `generation_config` together with ..." warning."""
+    from test_vlm_model import build, sample_batch
+    model = build()
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    model.generation_config.max_new_tokens = 3
+    lm_config = model.language_model.generation_config
+    got = {}
+
+    def run():
+        got["own"] = model.generate(ids, pixels, mask)
+        got["option"] = model.generate(ids, pixels, mask, max_new_tokens=5, do_sample=False)
+
+    warned = _generation_warnings(run, mark="generation_config")
+    assert not warned, warned
+    assert got["own"].shape[1] == ids.shape[1] + 3 and got["option"].shape[1] == ids.shape[1] + 5
+    assert torch.equal(got["option"][:, :ids.shape[1] + 3], got["own"])  # greedy either way
+    assert model.language_model.generation_config is lm_config

@@ -23,6 +23,7 @@ FAMILIES = {
         "original_max_position_embeddings": 64})),
     "llama_rope_linear": (T.LlamaConfig, T.LlamaForCausalLM, dict(rope_parameters={
         "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=None, head_dim=16)),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
     "qwen2_rope_yarn": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(max_position_embeddings=128, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32})),
@@ -84,6 +85,7 @@ REFUSED = [
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("mixtral", dict(sliding_window=8), "sliding_window"),
+    ("mistral", dict(sliding_window=8), "sliding_window"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding_window"),
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),

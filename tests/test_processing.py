@@ -1,4 +1,4 @@
-"""ConceptMoEVLMProcessor round trip, generation inputs, and a real pretrained (Mistral) tokenizer."""
+"""ConceptMoEVLMProcessor round trip, generation inputs, and a SentencePiece (Llama / Mistral style) tokenizer."""
 
 import os
 
@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from data_pipelines.chat_template import ChatTokenizer
 from data_pipelines.common import IGNORE_INDEX, SPECIAL_TOKENS
 from _data_helpers import tiny_tokenizer
-from data_pipelines.tokenizer_files import mistral_sentencepiece_path, sentencepiece_tokenizer_folder
+from data_pipelines.tokenizer_files import sentencepiece_tokenizer_folder
+from _sentencepiece import train_sentencepiece
 from vlm.processing import ConceptMoEVLMProcessor
 
 CONV = [{"from": "human", "value": "<image>\nWhat digit is this?"}, {"from": "gpt", "value": "7"},
@@ -26,9 +27,14 @@ def processor(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("mistral"))
-    sentencepiece_tokenizer_folder(mistral_sentencepiece_path(), out)
+def sp_model(tmp_path_factory):
+    return str(train_sentencepiece(tmp_path_factory.mktemp("sp") / "tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory, sp_model):
+    out = str(tmp_path_factory.mktemp("sp_folder"))
+    sentencepiece_tokenizer_folder(sp_model, out)
     return out
 
 
@@ -88,20 +94,21 @@ def test_round_trip_keeps_the_aspect_policy(processor, tmp_path):
     assert torch.equal(loaded.preprocess_images([wide]), padded.preprocess_images([wide]))
 
 
-def test_mistral_folder_matches_sentencepiece(mistral_dir):
+def test_sentencepiece_folder_matches_sentencepiece(sp_dir, sp_model):
     import sentencepiece
-    tok = AutoTokenizer.from_pretrained(mistral_dir)
-    sp = sentencepiece.SentencePieceProcessor(model_file=mistral_sentencepiece_path())
-    assert type(tok).__name__ == "LlamaTokenizer" and len(tok) == 32000 + 8
-    for text in ["Hello world", "What digit is this? It is 7.\nNew line", "Ünïcödé 漢字 ok"]:
+    tok = AutoTokenizer.from_pretrained(sp_dir)
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    n = sp.get_piece_size()
+    assert type(tok).__name__ == "LlamaTokenizer" and len(tok) == n + 8
+    for text in ["Hello world", "What digit is this? It is 7.\nNew line", "Ünïcödé 漢字 ok"]:  # bytes: fallback
         assert tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
     ids = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
-    assert ids == list(range(32000, 32008))
+    assert ids == list(range(n, n + 8))
     assert tok("a<|end|>b", add_special_tokens=False)["input_ids"].count(ids[-1]) == 1
 
 
-def test_chat_tokenizer_on_mistral_tokenizer(mistral_dir):
-    chat = ChatTokenizer(AutoTokenizer.from_pretrained(mistral_dir), num_image_tokens=5)
+def test_chat_tokenizer_on_sentencepiece_tokenizer(sp_dir):
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(sp_dir), num_image_tokens=5)
     ids, labels = chat.encode_conversation(CONV, "m", num_images=1)
     assert ids[0] == chat.tokenizer.bos_token_id == 1 and labels[0] == IGNORE_INDEX
     runs, run = [], []

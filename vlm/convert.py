@@ -4,7 +4,7 @@ section 7); ``--check`` proves the R = 1 identity against the baseline.
     python -m vlm.convert --from runs/moe/hf --to runs/moe_to_concept --ratio 1.5 --strategy loop [--check]
     python -m vlm.convert --from <transformers folder> --to out [--ratio R --strategy topk|loop] [--check]
 
-A transformers checkpoint (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE; see
+A transformers checkpoint (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE; see
 ``vlm/hf_import``) is imported first: without ``--ratio`` the result is that plain import (chunking off,
 same logits; ``--check`` compares them with the transformers model's), with ``--ratio`` the imported
 model is then converted as above (``--check``: the R = 1 identity against the transformers model).

@@ -1,4 +1,4 @@
-"""Import a transformers checkpoint (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE)
+"""Import a transformers checkpoint (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE)
 into ``ConceptMoEForCausalLM``: the plain import (chunking off, vocabulary unchanged) whose logits
 equal the transformers model's. ``configs.py`` maps the config (and refuses what it cannot carry
 over), ``weights.py`` the tensors, ``check.py`` compares logits. Entry point: ``python -m vlm.convert``.

@@ -7,7 +7,7 @@ OLMoE), router softmax -> top-k -> optional renormalisation (``norm_topk_prob``;
 renormalises), the shared expert and its sigmoid gate (Qwen2-MoE), dense layers
 (``decoder_sparse_step`` / ``mlp_only_layers``) when they are the first k layers.
 
-Dense families (Llama, Qwen2, Qwen3) become ``first_k_dense = num_hidden_layers`` with
+Dense families (Llama, Mistral, Qwen2, Qwen3) become ``first_k_dense = num_hidden_layers`` with
 ``dense_intermediate_size = intermediate_size``: our dense FFN is ``SwiGLU`` (``vlm/modeling/moe.py``),
 ``down(silu(gate(x)) * up(x))`` without bias, exactly Llama's MLP with ``hidden_act: silu``.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from vlm.config import ConceptMoEConfig
 
-DENSE = ("llama", "qwen2", "qwen3")
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 FAMILIES = DENSE + MOE
 
@@ -58,7 +58,7 @@ def _no_sliding_window(family: str, c) -> None:
     types = getattr(c, "layer_types", None)
     if types and any(t != "full_attention" for t in types):
         _refuse("layer_types", sorted(set(types)), "sliding-window attention is not supported")
-    if family in ("llama", "mixtral", "qwen3_moe", "olmoe") and getattr(c, "sliding_window", None) is not None:
+    if family in ("llama", "mistral", "mixtral", "qwen3_moe", "olmoe") and getattr(c, "sliding_window", None) is not None:
         _refuse("sliding_window", c.sliding_window, "sliding-window attention is not supported")
 
 

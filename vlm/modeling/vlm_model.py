@@ -76,15 +76,21 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, Generatio
         then the language model's ``GenerationMixin.generate`` decodes text over the ConceptCache. Every
         generation option of ``ConceptMoEForCausalLM.generate`` applies (greedy, sampling, beams,
         streamer, scores, ...); the generation config is this model's (saved as generation_config.json).
-        Runs in eval mode (then back to the previous mode); returns the prompt ids followed by the new tokens."""
-        was_training = self.training
+        Runs in eval mode (then back to the previous mode); returns the prompt ids followed by the new tokens.
+
+        This model's generation config stands in for the language model's during the call (the defaults
+        that options and a given ``generation_config`` override), rather than being passed as
+        ``generation_config``: transformers warns when one is passed together with other options."""
+        lm, was_training = self.language_model, self.training
+        lm_config = lm.generation_config
         self.eval()
         try:
             embeds, modality_BT = self.embed(input_ids, pixel_values)
-            kwargs["generation_config"] = kwargs.get("generation_config") or self.generation_config
-            return self.language_model.generate(input_ids=input_ids, inputs_embeds=embeds,
-                                                attention_mask=attention_mask, modality_ids=modality_BT, **kwargs)
+            lm.generation_config = self.generation_config
+            return lm.generate(input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
+                               modality_ids=modality_BT, **kwargs)
         finally:
+            lm.generation_config = lm_config
             self.train(was_training)
 
     def save_pretrained(self, save_directory, *args, **kwargs):

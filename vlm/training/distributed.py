@@ -70,6 +70,23 @@ def set_default_collective_timeout(timeout_s: int) -> None:
             setattr(c10d, name, timeout)
 
 
+def apply_cpu_threads(cpu_threads: int | None, processes: int = 1) -> str:
+    """The CPU thread policy of every process that runs the model (training, evaluation, generation):
+    ``cpu_threads`` when given, else ``OMP_NUM_THREADS`` when set (torch already follows it), else the
+    cores shared by the ``processes`` of this machine. Sets torch's intra-op threads; returns one line
+    saying how many and why."""
+    if cpu_threads:
+        torch.set_num_threads(int(cpu_threads))
+        why = f"cpu_threads={cpu_threads}"
+    elif "OMP_NUM_THREADS" in os.environ:
+        why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    else:
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(processes, 1)))
+        why = f"{cores} cores / {processes} process{'es' if processes != 1 else ''}"
+    return f"cpu threads: {torch.get_num_threads()} ({why})"
+
+
 def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None = None) -> dict:
     """Initialise torch.distributed through DeepSpeed; returns rank / world / local_rank info.
     Without a launcher (plain ``python -m vlm.train``) the env of a 1-process group is filled in
@@ -81,10 +98,7 @@ def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if device == "cpu":
-        if cpu_threads:
-            torch.set_num_threads(cpu_threads)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        apply_cpu_threads(cpu_threads, local_world)
     import deepspeed
 
     if device == "cpu":

@@ -1,0 +1,81 @@
+"""Evaluation on CPU follows the trainer's thread policy (``apply_cpu_threads``): ``make eval`` /
+``eval_suites.run`` pass ``cpu_threads`` (default 1) to the lmms-eval model, which sets torch's
+threads and says so in one line; ``eval_suites.text_eval`` does the same."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _data_helpers import tiny_tokenizer
+from _eval_helpers import build_tiny_vlm, make_tiny_checkpoint
+from vlm.training.distributed import apply_cpu_threads
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """Torch's thread count is process-wide: every test here leaves it as it found it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tok"))
+    tiny_tokenizer(out)
+    return out
+
+
+def test_policy_given_then_omp_then_cores(monkeypatch):
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert apply_cpu_threads(2) == "cpu threads: 2 (cpu_threads=2)" and torch.get_num_threads() == 2
+    assert apply_cpu_threads(None, processes=cores) == f"cpu threads: 1 ({cores} cores / {cores} processes)"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(3)  # what torch took from OMP_NUM_THREADS at start-up: left alone
+    assert apply_cpu_threads(None) == "cpu threads: 3 (OMP_NUM_THREADS=3)" and torch.get_num_threads() == 3
+
+
+def test_lmms_plugin_sets_and_logs_cpu_threads(tokenizer_dir, capsys):
+    pytest.importorskip("lmms_eval")
+    from transformers import AutoTokenizer
+
+    from eval_suites.lmms_plugin import ConceptMoEVLMEval
+
+    model, processor = build_tiny_vlm(AutoTokenizer.from_pretrained(tokenizer_dir))
+    torch.set_num_threads(2)
+    capsys.readouterr()
+    ConceptMoEVLMEval(pretrained=model, processor=processor, device="cpu", cpu_threads="1")
+    assert torch.get_num_threads() == 1
+    assert "[conceptmoe_vlm] cpu threads: 1 (cpu_threads=1)" in capsys.readouterr().out.splitlines()
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer or auto"):
+        ConceptMoEVLMEval(pretrained=model, processor=processor, device="cpu", cpu_threads="0")
+
+
+def test_eval_run_passes_cpu_threads_to_the_model(capsys):
+    from eval_suites.run import lmms_eval_command, parse_args
+
+    def model_args(*flags):
+        cmd = lmms_eval_command(parse_args(["--checkpoint", "ckpt", *flags]), "out")
+        return cmd[cmd.index("--model_args") + 1].split(",")
+
+    assert "cpu_threads=1" in model_args()  # make eval's default, as the default training config's
+    assert "cpu_threads=4" in model_args("--cpu-threads", "4")
+    assert "cpu_threads=auto" in model_args("--cpu-threads", "auto")
+    with pytest.raises(SystemExit) as err:
+        parse_args(["--checkpoint", "ckpt", "--cpu-threads", "-1"])
+    assert err.value.code == 2 and "--cpu-threads must be a positive integer or auto" in capsys.readouterr().err
+
+
+def test_text_eval_sets_and_logs_cpu_threads(tokenizer_dir, tmp_path, capsys):
+    from eval_suites.text_eval import main
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", tokenizer_dir)
+    text = tmp_path / "held_out.txt"
+    text.write_text("What digit is this? Is it even or odd?\n" * 4, encoding="utf-8")
+    torch.set_num_threads(2)
+    assert main(["--checkpoint", ckpt, "--text", str(text), "--seq-len", "16", "--device", "cpu"]) == 0
+    assert torch.get_num_threads() == 1
+    assert "[text_eval] cpu threads: 1 (cpu_threads=1)" in capsys.readouterr().out.splitlines()
