@@ -22,7 +22,6 @@ IMAGE = ROOT / "scripts" / "gpu" / "image_packages.txt"
 # imported on the GPU path only behind an option the check does not use (each reason checked by hand)
 OPTIONAL = {
     "wandb": "log.report_to: [wandb] only; the GPU check's configs log to jsonl",
-    "mistral-common": "tests' real-tokenizer helper (data_pipelines.tokenizer_files), not called by device tests",
 }
 # kit wheels whose code is never imported: only their files are read (find_spec), as `make setup`
 # installs them --no-deps too
