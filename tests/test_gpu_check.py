@@ -27,3 +27,29 @@ def test_mfu_preset_is_about_1b_parameters_at_8k_packed():
     text = build_model_config(cfg)
     total = count_params(text)["total"]
     assert 0.9e9 <= total <= 1.1e9, total
+
+
+def test_bare_machine_without_kit_is_one_line_and_leaves_a_summary(tmp_path):
+    """No .venv-like python (a plain interpreter without deepspeed / pydantic) and no kit: one line
+    naming `make gpu-kit`, exit 2, and the summary + log already in the output folder."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").write_text("#!/bin/sh\nexec /usr/bin/env -i /bin/sh -c 'exit 1'\n")  # imports nothing
+    (bare / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PY": str(bare / "python3"), "GPU_CHECK_KIT": str(tmp_path / "no_kit"),
+           "GPU_CHECK_OUT": str(out), "DEVICE": "cuda"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "make gpu-kit" in proc.stdout and "carry .gpu_kit" in proc.stdout
+    assert "FAILED" in (out / "summary.txt").read_text()
+    assert "make gpu-kit" in (out / "gpu_check.log").read_text()
+
+
+def test_dry_run_installs_the_kit_with_pip_target_and_never_runs_make():
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1"}
+    out = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "--no-index --no-deps" in out and "--target" in out and ".gpu_kit" in out
+    assert "make " not in out and "make\n" not in out

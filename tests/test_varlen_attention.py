@@ -263,4 +263,5 @@ def test_one_token_documents_keep_q_and_k_in_the_graph(kernel, monkeypatch):
     torch.testing.assert_close(out, v[:, :2].repeat_interleave(2, dim=1).transpose(1, 2))
     out.square().sum().backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None
-    assert q.grad.abs().max() == 0 and k.grad.abs().max() == 0
+    # zero up to rounding: the softmax over one key has no gradient (torch 2.11's SDPA leaves ~1e-7)
+    assert q.grad.abs().max() <= 1e-6 and k.grad.abs().max() <= 1e-6
