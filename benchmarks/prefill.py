@@ -40,9 +40,10 @@ def check_flops(base, con, base_cfg, con_cfg, N: int, device) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from vlm.flops import flops_per_token
+    from vlm.modeling.features import sdpa_flop_formulas
     out = {}
     ids = random_ids(1, N, base_cfg.vocab_size, device, seed=1)
-    custom = {}
+    custom = dict(sdpa_flop_formulas())  # grouped-query SDPA where torch's formula refuses it
     if hasattr(torch.ops.aten, "_grouped_mm"):  # our MoE on CUDA bf16; FlopCounterMode has no formula for it
         custom[torch.ops.aten._grouped_mm] = _grouped_mm_flops
     for tag, model, cfg in (("moe", base, base_cfg), ("concept", con, con_cfg)):

@@ -24,6 +24,7 @@
 #
 # Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
 # GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,train,mfu,bench),
+# GPU_CHECK_BENCH (attention,moe,train-packed,prefill,decode,dechunk),
 # GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
 # the whole script is one { ...; exit; } block: bash parses it before running, so editing the file
 # during a run cannot change what runs
@@ -35,6 +36,7 @@ ROOT=$PWD
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
+BENCHES=${GPU_CHECK_BENCH:-attention,moe,train-packed,prefill,decode,dechunk}
 DEVICE=${DEVICE:-cuda}
 KIT=${GPU_CHECK_KIT:-.gpu_kit}
 OUTDIR=${GPU_CHECK_OUT:-runs/gpu_check/out}
@@ -182,13 +184,18 @@ fi
 # --- the GPU benchmarks at quick sizes ---------------------------------------------------------
 if wants bench; then
   B=(--device "$DEVICE" "${BENCH_ARGS[@]}" --out "$BENCH_OUT")
-  Q=(); [[ "$DEVICE" == cuda* ]] && Q=(--reps 3)
-  step bench-attention 45 "$PY" -m benchmarks.attention "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 8192,16384)
-  step bench-moe 40 "$PY" -m benchmarks.moe "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 64,1024,16384)
-  step bench-train-packed 70 "$PY" -m benchmarks.train_packed "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 8192)
-  step bench-prefill 50 "$PY" -m benchmarks.prefill "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,8192,32768)
-  step bench-decode 50 "$PY" -m benchmarks.decode "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,8192 --batches 1,8)
-  step bench-dechunk 30 "$PY" -m benchmarks.dechunk "${B[@]}" "${Q[@]}" $([[ "$DEVICE" == cuda* ]] && echo --sizes 1024,16384)
+  bench() {  # bench NAME LIMIT_S GPU-ONLY-ARGS...: one benchmark, if GPU_CHECK_BENCH names it
+    local name=$1 limit=$2; shift 2
+    [[ ",$BENCHES," == *",$name,"* ]] || return 0
+    if [[ "$DEVICE" == cuda* ]]; then set -- --reps 3 "$@"; else set --; fi
+    step "bench-$name" "$limit" "$PY" -m "benchmarks.${name//-/_}" "${B[@]}" "$@"
+  }
+  bench attention 45 --sizes 8192,16384
+  bench moe 40 --sizes 64,1024,16384
+  bench train-packed 110 --sizes 8192 --calib-steps 100 --calib-max-steps 100
+  bench prefill 50 --sizes 1024,8192,32768
+  bench decode 60 --sizes 1024 --batches 1,8
+  bench dechunk 30 --sizes 1024,16384
   step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 

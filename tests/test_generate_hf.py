@@ -210,7 +210,7 @@ def test_continue_from_returned_cache(tiny_model):
 def test_eos_list_and_generation_config(tiny_model, tmp_path):
     """Defaults come from the config's special ids; a list of eos ids stops each row at its first one;
     the generation config is saved with the model and used by generate after loading."""
-    model = tiny_model("tiny_concept", eos_token_id=[5, 7], pad_token_id=3)
+    model = dev(tiny_model("tiny_concept", eos_token_id=[5, 7], pad_token_id=3))
     gc = model.generation_config
     assert gc.eos_token_id == [5, 7] and gc.pad_token_id == 3 and gc.top_k is None and gc.bos_token_id is None
     ids, am = left_padded()
@@ -225,7 +225,7 @@ def test_eos_list_and_generation_config(tiny_model, tmp_path):
     model.generation_config.max_new_tokens = 5
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path)
-    loaded = ConceptMoEForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = dev(ConceptMoEForCausalLM.from_pretrained(tmp_path).eval())
     assert loaded.generation_config.max_new_tokens == 5 and loaded.generation_config.top_k is None
     assert loaded.generate(ids, attention_mask=am).shape == (2, T + 5)
 

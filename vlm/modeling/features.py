@@ -9,6 +9,8 @@ taken (``report`` lists them all: scripts/gpu/environment.py prints it before th
   else K / V heads repeated to the query heads before the call.
 * ``torch._grouped_mm``: whether one call works for a (device type, dtype), probed on a tiny input
   and compared with per-expert matmuls; where it does not, the MoE takes its per-expert split.
+* ``FlopCounterMode`` on grouped-query SDPA: torch's formula where it takes the shapes, else ours
+  (the benchmarks' FLOP checks).
 """
 from __future__ import annotations
 
@@ -101,6 +103,31 @@ def grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
     return _GROUPED[key]
 
 
+def _gqa_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Forward FLOPs of SDPA with K / V heads shared by query heads: Q K^T and P V per query head."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * b * h * s_q * s_k * d_q + 2 * b * h * s_q * s_k * d_v
+
+
+@functools.cache
+def sdpa_flop_formulas() -> dict:
+    """``FlopCounterMode(custom_mapping=...)`` entries for the forward SDPA kernels where torch's own
+    formula refuses grouped-query shapes (torch 2.11: 'query/key/value shapes are incompatible');
+    {} where it counts them."""
+    from torch.utils import flop_counter
+    try:
+        flop_counter.sdpa_flop_count((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+        _say("sdpa-flops", "FlopCounterMode counts grouped-query SDPA itself")
+        return {}
+    except AssertionError:
+        _say("sdpa-flops", "FlopCounterMode's SDPA formula refuses grouped-query shapes: our forward formula")
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return {getattr(aten, n): _gqa_sdpa_flop for n in names if hasattr(aten, n)}
+
+
 def report(device: torch.device) -> list[str]:
     """One line per feature-detected path on ``device`` (the training dtypes)."""
     api = varlen_api()
@@ -111,6 +138,8 @@ def report(device: torch.device) -> list[str]:
         ok = grouped_mm_ok(device.type, dtype)
         lines.append(f"torch._grouped_mm {device.type} {str(dtype).removeprefix('torch.')}: "
                      + ("grouped GEMM" if ok else "per-expert split"))
+    lines.append("FlopCounterMode, grouped-query SDPA: " + ("torch's formula" if not sdpa_flop_formulas()
+                                                             else "our forward formula (torch's refuses the shapes)"))
     from vlm.modeling import hf_features
     lines += hf_features.report()
     return lines

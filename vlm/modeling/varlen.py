@@ -138,6 +138,8 @@ def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
         raise ValueError(f"DocLayout is for {layout.B} x {layout.T} positions, got {B} x {T}")
     if KERNEL not in KERNELS:
         raise ValueError(f"varlen KERNEL={KERNEL!r}: use one of {KERNELS}")
+    if KERNEL == "loop" and q_BHTD.is_cuda:
+        raise ValueError("varlen KERNEL='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
     if flash_applies(q_BHTD):
         return _flash(q_BHTD, k_BHTD, v_BHTD, layout)
     if KERNEL == "loop" or (KERNEL == "auto" and not q_BHTD.is_cuda):
