@@ -113,8 +113,8 @@ def adjust_router(model, probe: dict, target: float, iters: int = 14, seed: int 
     rs = routers(model)
     g = torch.Generator(device="cpu").manual_seed(seed)
     w0 = [r.k_proj.weight.detach().clone() for r in rs]
-    w1 = [(torch.randn(w.shape, generator=g) * w.shape[1] ** -0.5 * w.float().norm() / w.shape[0] ** 0.5
-           ).to(w.device, w.dtype) for w in w0]
+    w1 = [(torch.randn(w.shape, generator=g) * w.shape[1] ** -0.5 * float(w.float().norm()) / w.shape[0] ** 0.5
+           ).to(w.device, w.dtype) for w in w0]  # float(): the scale is read on the host (a CUDA w)
 
     def at(a):
         for r, w, wr in zip(rs, w0, w1):
