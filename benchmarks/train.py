@@ -113,8 +113,8 @@ def run(argv=None) -> dict:
                         "mfu_causal": fc["train_total"] * tps / peak,
                         "loss_first_last": [losses[tag][0], losses[tag][-1]]}
             if s.is_cuda:
-                from vlm.training.metrics import guess_peak_flops
-                res[tag]["mfu_vs_spec_sheet"] = f["train_total"] * tps / guess_peak_flops("cuda")
+                from vlm.training.peak import gpu_spec_peak
+                res[tag]["mfu_vs_spec_sheet"] = f["train_total"] * tps / gpu_spec_peak()[0]
             rows.append([f"{T:,}", batch, "MoE" if tag == "moe" else "ConceptMoE",
                          fmt_median_iqr(st),
                          f"{tps:,.0f}", fmt_num(f["train_total"]), fmt_num(f["train_total"] * tps, "FLOP/s"),

@@ -89,6 +89,30 @@ def test_scored_ids_are_the_training_reply_tokens(tokenizer):
     _check_scored_ids(plugin, ["seven", "odd", "even", "10", "3", "A small gray square."])
 
 
+def test_scores_are_the_log_softmax_at_t_minus_1(tokenizer):
+    """Each score is -sum over the scored ids t of log softmax(logits[t - 1])[id_t], computed here by hand
+    from one unpadded forward of the same row (with an image on one of them); is_greedy is argmax at t - 1."""
+    import torch
+    from PIL import Image
+
+    model, processor = build_tiny_vlm(tokenizer, seed=1)
+    plugin = lmms_plugin.ConceptMoEVLMEval(pretrained=model, processor=processor, device="cpu", batch_size=3)
+    image = Image.new("RGB", (32, 32), (200, 30, 90))
+    items = [("What is 7 in words?", " seven", []), ("Is 3 even or odd?", "odd", []),
+             ("What is in the picture?", "A small gray square.", [image])]
+    for (context, continuation, images), (nll, greedy) in zip(items, plugin.score_batch(items)):
+        row, n = plugin.encode_request(context, continuation, images)
+        ids = torch.tensor([row])
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=plugin._pixel_values(images),
+                           attention_mask=torch.ones_like(ids)).logits[0].double()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        scored = range(len(row) - n, len(row))
+        by_hand = -sum(float(logprobs[t - 1, row[t]]) for t in scored)
+        assert nll == pytest.approx(by_hand, rel=1e-5, abs=1e-5), continuation
+        assert greedy == all(int(logits[t - 1].argmax()) == row[t] for t in scored)
+
+
 @pytest.mark.parametrize("flavour", ["chatml", "llama3"])
 def test_scored_ids_follow_a_pretrained_chat_template(tmp_path, flavour):
     """Same rule with an LLM's own template: the reply, then its stop token (<|im_end|>, <|eot_id|>)."""

@@ -10,6 +10,7 @@ import vlm  # noqa: F401  (registers the Auto classes)
 from vlm.config import ConceptMoEConfig
 from vlm.modeling.hf import ConceptMoEForCausalLM, lm_loss_fn
 
+from _export import saved_equals_live
 from conftest import PRESETS
 
 V = 2048
@@ -34,6 +35,7 @@ def test_save_and_auto_load_identical(tmp_path, tiny_model, make_decisive, prese
     model.save_pretrained(tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "model.safetensors" in files and "config.json" in files
+    saved_equals_live(model, tmp_path, tied=("lm_head.weight",) if model.config.tie_word_embeddings else ())
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))], files
     assert isinstance(AutoConfig.from_pretrained(tmp_path), ConceptMoEConfig)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

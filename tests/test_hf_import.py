@@ -11,6 +11,7 @@ from vlm import ConceptMoEForCausalLM
 from vlm.convert import main
 from vlm.hf_import import import_hf
 from vlm.hf_import.check import logit_gap
+from vlm.modeling.attention import rope_inv_freq
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5)
@@ -60,6 +61,23 @@ def test_plain_import_matches_transformers_logits(tmp_path, family, capsys):
     gap = logit_gap(ours, ref, SMALL["vocab_size"])
     print(f"{family}: max |logit diff| = {gap:.2e}")
     assert gap <= 1e-4
+
+
+ROPE_FAMILIES = ["llama", "llama_rope_llama3", "llama_rope_linear", "qwen2_rope_yarn", "qwen3"]
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_rope_inverse_frequencies_equal_transformers_buffer(tmp_path, family):
+    """The imported model's RoPE inverse frequencies and cos/sin scale are exactly transformers' own
+    (``rotary_emb.inv_freq`` / ``attention_scaling``): the logit tolerance alone would let a permuted
+    or slightly wrong high-frequency row through."""
+    ref, src = _save(tmp_path, *FAMILIES[family])
+    cfg = import_hf(src).config
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq, scale = rope_inv_freq(head_dim, cfg.rope_theta, cfg.rope_scaling_params)
+    want = ref.model.rotary_emb.inv_freq
+    assert inv_freq.dtype == want.dtype and torch.equal(inv_freq, want), (inv_freq, want)
+    assert scale == ref.model.rotary_emb.attention_scaling
 
 
 def test_features_are_carried_over(tmp_path):

@@ -1,9 +1,17 @@
-"""Honest MFU: the attention map is counted per document (causal half), not over the packed row."""
+"""Honest MFU: the attention map is counted per document (causal half), not over the packed row, over the
+real (not padded) tokens; training FLOPs count what trains (a frozen LM: forward + input gradient, checked
+against FlopCounterMode); the CPU peak is measured; never an MFU above 100%."""
+import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from vlm.config import ConceptMoEConfig
 from vlm.flops import flops_per_token
-from vlm.training.metrics import WindowStats, doc_tokens_sq, summarize, train_flops_per_token
+from vlm.flops.training import Trains, region_flops
+from vlm.flops.training import train_flops_per_token as count_train_flops
+from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.training.metrics import MfuMeter, WindowStats, doc_tokens_sq, summarize, train_flops_per_token
+from vlm.training.peak import resolve_peak
 
 
 def test_doc_tokens_sq_counts_each_document_of_a_packed_row():
@@ -30,3 +38,100 @@ def test_mfu_uses_the_documents_not_the_packed_row():
     attn_full = flops_per_token(cfg, seq_len=64)["attn_map"]
     # the attention map: 4 documents of 16, causal half, vs the full 64 x 64 row: 8x smaller (x3 for training)
     assert abs((packed_full - honest) - 3 * attn_full * (1 - 1 / 8)) < 1e-6 * packed_full
+
+
+def test_mean_doc_len_counts_real_tokens_not_padding():
+    """A padded batch: the token-weighted document length divides by the real tokens (18), not the
+    padded ones (32); packed (segment ids) and unpacked (a padded row is one document) alike."""
+    seg = torch.tensor([[1] * 10 + [0] * 6,
+                        [1] * 4 + [2] * 4 + [0] * 8])
+    for batch in ({"attention_mask": (seg > 0).long(), "segment_ids": seg, "input_ids": seg},
+                  {"attention_mask": (seg > 0).long(), "input_ids": seg}):
+        stats = WindowStats(image_token_id=None)
+        stats.add(_Out(), batch)
+        rec = summarize(stats.reduce(), elapsed=1.0, world_size=1)
+        docs = [10, 4, 4] if "segment_ids" in batch else [10, 8]
+        assert rec["tokens"] == 18 and rec["mean_row_len"] == 16
+        assert rec["mean_doc_len"] == sum(n * n for n in docs) / 18
+
+
+def test_trains_of_the_llava_align_stage():
+    from vlm.config.train import REPO_ROOT, load_train_config
+    from vlm.training import optim
+
+    cfg = load_train_config(REPO_ROOT / "configs" / "train" / "llava_align.yaml")
+    parts = optim.trainable_parts(cfg)
+    counts = {p: 10 if p in parts else 0 for p in optim.PARTS}
+    assert Trains.of_counts(counts) == Trains(lm=False, chunker=False, grad_at_input=True)
+    full = {p: 10 for p in optim.PARTS}
+    assert Trains.of_counts(full) == Trains(lm=True, chunker=True, grad_at_input=True)
+    assert Trains.of_counts(full, lora=True) == Trains(lm=False, chunker=True, grad_at_input=True)
+
+
+def _sdpa(q, k, v, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(q, k, v)
+
+
+def _sdpa_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+def _measured_train_flops(model, ids, trains: Trains) -> tuple[float, float | None]:
+    """FlopCounterMode over one forward + backward with only ``trains`` requiring gradients (a trained
+    projector is stood in for by input embeddings that require a gradient); and the achieved R."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(trains.chunker if ".chunker." in name else trains.lm)
+    emb = model.get_input_embeddings()(ids)
+    if not trains.lm:
+        emb = emb.detach().requires_grad_(trains.grad_at_input)
+    cpu = torch.ops.aten
+    with FlopCounterMode(display=False, custom_mapping={
+            cpu._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+            cpu._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_bwd}) as fc:
+        out = model(inputs_embeds=emb, labels=ids)
+        out.loss.backward()
+    ratio = ids.shape[1] / int(out.num_concepts[0]) if model.config.chunking else None
+    return fc.get_total_flops(), ratio
+
+
+ALIGN = Trains(lm=False, chunker=False, grad_at_input=True)  # LLaVA stage 1: only the projector trains
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_concept"])
+def test_frozen_lm_counts_forward_and_input_gradient(preset):
+    """A frozen LM under a trained projector skips the weight gradient of every weight matmul (one
+    forward's worth each); the attention map has no weights, so its backward (2 x forward) stays. Hence
+    full - align = forward FLOPs without the attention map (and the dechunk scan). Checked against
+    FlopCounterMode over a real forward + backward, also with only the chunker training."""
+    cfg = ConceptMoEConfig.from_yaml(f"configs/model/{preset}.yaml")
+    torch.manual_seed(0)
+    model = ConceptMoEForCausalLM(cfg).float().train()
+    seq = 64
+    ids = torch.randint(0, cfg.vocab_size, (1, seq))
+    cases = {"full": Trains(), "align": ALIGN}
+    if cfg.chunking:
+        cases["chunker"] = Trains(lm=False, chunker=True)
+    got = {}
+    for name, trains in cases.items():
+        measured, ratio = _measured_train_flops(model, ids, trains)
+        got[name] = measured
+        predicted = count_train_flops(cfg, seq, ratio, trains=trains) * seq
+        assert predicted == pytest.approx(measured, rel=0.03), name
+    f = flops_per_token(cfg, seq)
+    full, align = count_train_flops(cfg, seq), count_train_flops(cfg, seq, trains=ALIGN)
+    assert full == pytest.approx(f["train_total"], rel=1e-12)
+    dechunk = region_flops(cfg, seq)["dechunk"]["map"]
+    assert full - align == pytest.approx(f["total_no_attn_map"] - (dechunk if cfg.chunking else 0), rel=1e-12)
+    if not cfg.chunking:  # the same difference, measured (ratio-free)
+        assert got["full"] - got["align"] == pytest.approx(f["total_no_attn_map"] * seq, rel=1e-9)
+
+
+def test_cpu_mfu_is_against_a_measured_peak_and_never_above_100_percent():
+    peak, source = resolve_peak(None, "cpu", torch.float32)
+    assert source.startswith("measured") and peak > 1e8
+    assert resolve_peak(5e9, "cpu", torch.float32) == (5e9, "log.peak_flops")
+    said = []
+    meter = MfuMeter(1e9, 2, "1e+09 FLOP/s/device (test)", said.append)
+    assert meter(1e9, 1) == {"mfu": 0.5}
+    assert meter(3e9, 2) == {} and meter(4e9, 3) == {}
+    assert len(said) == 1 and "no MFU" in said[0] and "1e+09 FLOP/s/device (test)" in said[0]

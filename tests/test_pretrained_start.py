@@ -83,6 +83,10 @@ def test_readme_two_stage_flow_runs_as_written(tmp_path):
     assert "[model] language model <- runs/tiny_parts/llm_r2 (ConceptMoE checkpoint)" in align
     assert "[model] projector: new, random init" in align and "vision: hf SiglipVisionModel" in align
     assert "params (total / trainable): vision 36,288/0, projector 6,272/6,272, chunker 8,192/0, lm " in align
+    # the frozen LM counts forward + input gradient; the CPU MFU is against a measured matmul peak
+    assert "(measured: fastest 1024x1024 float32 matmul on" in align
+    assert "LM training FLOPs: forward + input gradient (frozen LM, the gradient flows through it)" in align
+    assert re.search(r"MFU \(last window\) +\| \d+\.\d+% of \S+ FLOP/s/device \(measured", align), align[-2000:]
     assert "(init_from)" in finetune and "held-out VQA accuracy" in finetune
     runs = tmp_path / "runs"
     # stage 1 trains the projector only: the export's LLM and ViT tensors are the sources' own

@@ -200,26 +200,31 @@ def _loader(rank, world, batch=4):
 
 @pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (2, 3), (3, 2), (4, 3), (3, 4), (2, 4)])
 def test_data_position_maps_with_fewer_than_new_world_repeats(tmp_path, old, new):
-    """W ranks read 3 batches each, save; W' ranks resume from the mapped states: positions
+    """W ranks read 5 batches of 5 each, save; W' ranks resume from the mapped states: positions
     [W' * (c // W'), c) are read twice (c = samples_consumed; fewer than W', none if W' divides c)
-    and no position is skipped. Per-rank counters are summed into new rank 0."""
+    and no position is skipped. c = 25 W is not a multiple of W' > 1 here, so a position rounded up
+    (skipping samples) fails. Per-rank counters (``seen``, ``bad_counts``) are summed into new rank 0."""
+    batch, before = 5, 5
     consumed = set()
     for r in range(old):
-        loader = _loader(r, old)
+        loader = _loader(r, old, batch)
         it = iter(loader)
-        for _ in range(3):
+        for _ in range(before):
             consumed.update(next(it)["positions"])
-        state = {"rank": r, "step": 3, "rng": ckpt.rng_state(), "data": loader.state_dict()}
+        state = {"rank": r, "step": before, "rng": ckpt.rng_state(), "data": loader.state_dict()}
+        assert state["data"]["seen"] == batch * before
         state["data"]["bad_counts"] = {"corrupt_image": r + 1}
         ckpt.write_json(tmp_path / ckpt.rank_file(r), state)
     c = len(consumed)
-    assert consumed == set(range(c)) and c == 3 * 4 * old
+    assert consumed == set(range(c)) and c == batch * before * old
+    assert new == 1 or c % new  # the case this test is for: W' does not divide the position
     after: list[int] = []
     for r in range(new):
-        st = reshard.rank_state(tmp_path, r, old, seed=0, step=3)
+        st = reshard.rank_state(tmp_path, r, old, seed=0, step=before)
         assert st["data"]["bad_counts"] == ({"corrupt_image": sum(range(1, old + 1))} if r == 0 else {})
-        loader = _loader(r, new)
+        loader = _loader(r, new, batch)
         loader.load_state_dict(st["data"])
+        assert loader.seen == (c if r == 0 else 0)  # every old rank's count, once
         it = iter(loader)
         for _ in range(3):
             after += next(it)["positions"]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import _train_helpers as helpers
+from _export import saved_equals_live
 import pytest
 import torch
 
@@ -164,6 +165,10 @@ def test_vlm_default_data_export_and_vqa(tmp_path):
                          checkpoint={"every_steps": 0}, eval={"limit": 6, "batch_size": 6})
     tr = helpers.run_inprocess(raw, tmp_path, finish=True)
     hf = tmp_path / "vlm" / "hf"
+    live = tr.engine.module
+    router = live.language_model.model.chunker.q_proj.weight
+    assert not torch.equal(router, torch.eye(router.shape[0]))  # trained: a dropped router would reload as identity
+    saved_equals_live(live, hf)  # the export holds exactly the trained tensors
     model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf))
     proc = ConceptMoEVLMProcessor.from_pretrained(str(hf))
     assert proc.num_image_tokens == model.num_image_tokens

@@ -9,6 +9,7 @@ import torch
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
 
 from _device import dev, dtype_for, require_test_device, tol  # noqa: E402, F401
+from _export import saved_equals_live  # noqa: E402
 from conftest import randomise_joint  # noqa: E402
 from test_generation import check_fractional, fractional  # noqa: E402  (the fractional router)
 
@@ -221,12 +222,26 @@ def test_fractional_router_generation_with_image_equals_full_forwards(merge, pol
 
 @pytest.mark.device
 def test_save_and_load_gives_identical_logits(tmp_path):
-    model = dev(build())
-    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    """A decisive (non-identity) router and non-zero joint projections, so that a weight the save
+    drops (re-initialised on load) changes the boundaries and the logits; the saved keys are the live ones."""
+    model = build()
+    with torch.no_grad():
+        decisive(model, seed=3)
+        randomise_joint(model.language_model)
+    ids, mask, pixels = sample_batch(model.num_image_tokens)
+    ref = build()  # the same model with the identity router: the boundaries differ
+    with torch.no_grad():
+        assert not torch.equal(ref(ids, pixels, mask).boundary_mask, model(ids, pixels, mask).boundary_mask)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
-    loaded = dev(ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval())
-    assert torch.equal(loaded(ids, pixels, mask).logits, model(ids, pixels, mask).logits)
+    saved_equals_live(model, tmp_path)
+    loaded = ConceptMoEVLMForConditionalGeneration.from_pretrained(tmp_path).eval()
+    model, loaded = dev(model, loaded)
+    ids, mask, pixels = dev((ids, mask, pixels))
+    with torch.no_grad():
+        a, b = loaded(ids, pixels, mask), model(ids, pixels, mask)
+    assert torch.equal(a.boundary_mask, b.boundary_mask)
+    assert torch.equal(a.logits, b.logits)
 
 
 @pytest.mark.device

@@ -161,7 +161,8 @@ def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal
       expert matmuls, attention QK^T and AV, the blocked EMA scan). Elementwise work (norms, RoPE,
       softmax, SiLU, residual adds, the EMA combine) is not counted anywhere: this is the usual
       model-FLOPs convention and it is what ``torch.utils.flop_counter.FlopCounterMode`` counts.
-    - Training FLOPs per token = 3 x forward (backward = 2 x forward); see ``train_total``.
+    - Training FLOPs per token = 3 x forward (backward = 2 x forward) when every part trains; see
+      ``train_total``. Frozen parts (no weight gradient): ``vlm.flops.training.train_flops_per_token``.
     - Attention map: the FULL N x N product for causal attention (``4 * N * heads * head_dim`` per
       token and layer), which is what FlopCounterMode's SDPA formula counts on CUDA (it ignores
       ``is_causal``). On CPU FlopCounterMode counts NOTHING for SDPA (torch 2.14 has no formula for

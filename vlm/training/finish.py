@@ -75,8 +75,9 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
     return result
 
 
-def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: float,
+def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
                   eval_result: dict | None) -> str:
+    """The end-of-run table. ``peak_label``: the MFU's peak and its source (``Trainer.peak_label``)."""
     rec = progress.last_record
     bad = {k: int(v) for k, v in (rec.get("skipped_samples") or {}).items() if v}  # loader, all ranks
     rows = [("optimizer steps", f"{progress.step} ({progress.skipped_steps} skipped: non-finite)"),
@@ -101,7 +102,7 @@ def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: floa
     tps = progress.tokens_seen / progress.train_time_s if progress.train_time_s else float("nan")
     rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
     if "mfu" in rec:
-        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak_flops:.3g} FLOP/s/device"))
+        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak_label}"))
     rows.append(("train time", f"{progress.train_time_s:.1f} s"))
     rows.append(("wall time (incl. startup, export, eval)", f"{wall_s:.1f} s"))
     width = max(len(r[0]) for r in rows)
@@ -112,12 +113,12 @@ def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: floa
     return "\n".join(body)
 
 
-def finish(ctx: RunContext, progress: Progress, peak_flops: float, t_start: float) -> dict:
+def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float) -> dict:
     """Collective: export (if asked), eval (if configured), summary table and <run>/summary.json.
     ``t_start``: the run's start (``time.time()``), for the wall time."""
     hf_dir = export_hf(ctx) if ctx.cfg.checkpoint.export_hf else None
     result = evaluate(ctx, hf_dir)
-    table = summary_table(ctx.cfg.name, progress, peak_flops, time.time() - t_start, result)
+    table = summary_table(ctx.cfg.name, progress, peak_label, time.time() - t_start, result)
     if ctx.is_main:
         print(table, flush=True)
         with open(ctx.run_dir / "summary.json", "w", encoding="utf-8") as f:

@@ -33,19 +33,6 @@ def doc_tokens_sq(segment_ids_BT: torch.Tensor, device) -> torch.Tensor:
     return counts.square().sum()
 
 
-def guess_peak_flops(device: str) -> float:
-    """Dense bf16 peak of one accelerator (spec sheet numbers), or a rough fp32 CPU figure."""
-    if device == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name().upper()
-        for key, val in (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
-                         ("A800", 312e12), ("L40", 181e12), ("A10", 125e12), ("4090", 165e12), ("V100", 125e12)):
-            if key in name:
-                return val
-        return 100e12
-    threads = torch.get_num_threads()
-    return 32e9 * max(threads, 1)  # ~ 2 AVX2 FMA units x 8 fp32 lanes x 2 flops x ~1 GHz sustained
-
-
 class WindowStats:
     """Sums over the micro-batches of one logging window on this rank.
 
@@ -162,21 +149,41 @@ def summarize(red: dict, elapsed: float, world_size: int) -> dict:
     return out
 
 
-def train_flops_per_token(text_config, seq_len: float, ratio: float | None, causal_half: bool = True) -> float | None:
-    """Training FLOPs per token. ``seq_len``: the token-weighted mean document length (``mean_doc_len``),
-    so with ``causal_half`` the attention map counts what causal attention within each document does."""
+def train_flops_per_token(text_config, seq_len: float, ratio: float | None, causal_half: bool = True,
+                          trains=None) -> float | None:
+    """Training FLOPs per token of the language model. ``seq_len``: the token-weighted mean document
+    length (``mean_doc_len``), so with ``causal_half`` the attention map counts what causal attention
+    within each document does. ``trains``: a ``vlm.flops.training.Trains`` (None: everything trains, 3 x
+    forward); frozen parts count forward + input gradient, or forward only where no gradient flows."""
     try:
-        from vlm.flops import flops_per_token
+        from vlm.flops.training import Trains, train_flops_per_token as count
     except ImportError:
         return None
     try:
-        f = flops_per_token(text_config, seq_len=max(round(seq_len), 1),
-                            ratio=ratio if getattr(text_config, "chunking", False) else None, causal_half=causal_half)
+        return float(count(text_config, max(round(seq_len), 1),
+                           ratio=ratio if getattr(text_config, "chunking", False) else None,
+                           causal_half=causal_half, trains=trains or Trains()))
     except Exception:  # noqa: BLE001 - a FLOPs estimate must never stop training
         return None
-    if "train_total" in f:
-        return float(f["train_total"])
-    return 3.0 * float(f["total"]) if "total" in f else None
+
+
+class MfuMeter:
+    """MFU = achieved model FLOP/s / (peak FLOP/s per device x devices). Above 100% the peak is wrong (below
+    what ran): that window gets no MFU, and the first such window says so in one line."""
+
+    def __init__(self, peak_per_device: float, devices: int, peak_label: str, say=print):
+        self.peak_total = peak_per_device * devices
+        self.peak_label, self.say, self.warned = peak_label, say, False
+
+    def __call__(self, flops_per_s: float, step: int) -> dict:
+        mfu = flops_per_s / self.peak_total
+        if mfu <= 1.0:
+            return {"mfu": mfu}
+        if not self.warned:
+            self.say(f"[train] step {step}: no MFU: the model's {flops_per_s:.3g} FLOP/s exceed the peak "
+                     f"({self.peak_label}) x devices; set log.peak_flops to the device's real peak")
+            self.warned = True
+        return {}
 
 
 class MetricsLogger:
@@ -206,9 +213,12 @@ class MetricsLogger:
     default data's ``kind``: digit / parity / plus_one), eval_ratio[_image|_text], eval_time_s.
 
     MFU = tokens/s x training FLOPs per token / (peak FLOP/s per device x devices). FLOPs per token
-    come from ``vlm.flops.flops_per_token(text_config, seq_len, ratio)['train_total']`` (3 x forward)
-    at the window's mean row length and achieved ratio; the vision tower is not counted. Without
-    ``vlm.flops`` MFU is left out. ``log.peak_flops`` overrides the per-device guess (``guess_peak_flops``).
+    come from ``vlm.flops.training.train_flops_per_token`` at the window's mean document length and
+    achieved ratio, counting what trains (3 x forward when everything does; a frozen LM under a trained
+    projector: forward + input gradient); the vision tower and projector are not counted. Without
+    ``vlm.flops`` MFU is left out. The peak: ``log.peak_flops``, else a GPU's spec sheet, else a measured
+    CPU matmul peak (``vlm.training.peak.resolve_peak``, logged at the start). A window whose MFU would
+    exceed 100% (the peak is wrong) gets no ``mfu``, with one line.
     """
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, initial_step: int, progress_bar: bool,

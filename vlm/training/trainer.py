@@ -22,6 +22,7 @@ from vlm.training.distributed import (
     resolve_device,
 )
 from vlm.training.expert_parallel import apply_expert_parallel, check_supported
+from vlm.flops.training import Trains
 from vlm.training.fault_injection import Faults
 from vlm.modeling.hf import loss_only
 from vlm.training.checkpointing import apply_activation_checkpointing
@@ -30,11 +31,12 @@ from vlm.training.model_setup import build_processor, setup_model, text_config_o
 from vlm.training.metrics import (
     MetricsLogger,
     WindowStats,
-    guess_peak_flops,
+    MfuMeter,
     process_health,
     summarize,
     train_flops_per_token,
 )
+from vlm.training.peak import resolve_peak
 from vlm.training.state import Progress, RunContext
 from vlm.training.zero3 import prepare_zero3, register_zero3_external
 
@@ -137,7 +139,11 @@ class Trainer:
             self._set_aside_previous_run()
         barrier()
         self.stop_step = cfg.train.stop_at_step or cfg.train.max_steps
-        self.peak_flops = cfg.log.peak_flops or guess_peak_flops(self.device)
+        self.peak_flops, peak_source = resolve_peak(cfg.log.peak_flops, self.device,
+                                                    torch.bfloat16 if self.bf16 else torch.float32)
+        self.peak_label = f"{self.peak_flops:.3g} FLOP/s/device ({peak_source})"
+        self.mfu = MfuMeter(self.peak_flops, self.world_size, self.peak_label, self.print)
+        self.trains = Trains.of_counts(self.trainable_counts, lora=cfg.train.lora is not None)
         self.logger = MetricsLogger(self.run_dir, self.is_main, cfg.train.max_steps, self.step, cfg.log.progress_bar,
                                     cfg.log.sinks, cfg.name, cfg.to_dict())
         self._describe()
@@ -189,7 +195,8 @@ class Trainer:
                  (f"[train] text model: d={tc.hidden_size} L={tc.num_hidden_layers} E={tc.num_experts} "
                   f"top{tc.top_k} chunking={tc.chunking}" + (f" R={tc.target_ratio}" if tc.chunking else "")),
                  (f"[train] steps {self.step} -> {self.stop_step} (schedule over {c.train.max_steps}), "
-                  f"micro-batch {c.train.micro_batch_size} x accum {c.train.grad_accum} x {self.world_size} ranks")]
+                  f"micro-batch {c.train.micro_batch_size} x accum {c.train.grad_accum} x {self.world_size} ranks"),
+                 f"[train] MFU against {self.peak_label}; LM training FLOPs: {self.trains.describe()}"]
         if self.resumed_from:
             lines.append(f"[train] resumed from {self.resumed_from}")
         for line in lines:
@@ -334,10 +341,10 @@ class Trainer:
         rec["nonfinite_in_row"] = p.nonfinite_in_row
         rec["skipped_samples"] = skipped_samples
         rec["tokens_seen"] = p.tokens_seen
-        fpt = train_flops_per_token(self.text_config, rec["mean_doc_len"], rec.get("ratio"))
+        fpt = train_flops_per_token(self.text_config, rec["mean_doc_len"], rec.get("ratio"), trains=self.trains)
         if fpt is not None:
             rec["flops_per_token"] = fpt
-            rec["mfu"] = rec["tokens_per_s"] * fpt / (self.peak_flops * self.world_size)
+            rec.update(self.mfu(rec["tokens_per_s"] * fpt, p.step))
         rec["time_s"] = round(time.time() - self.t_start, 3)
         rec.update(process_health())
         p.last_record = rec
@@ -359,7 +366,7 @@ class Trainer:
     # --- after training (vlm/training/finish.py) -------------------------------------------------
     def finish(self) -> dict:
         """Export (if asked), eval (if configured), summary table. Collective."""
-        return finish.finish(self.ctx, self.progress, self.peak_flops, self.t_start)
+        return finish.finish(self.ctx, self.progress, self.peak_label, self.t_start)
 
     def export_hf(self) -> Path:
         return finish.export_hf(self.ctx)
