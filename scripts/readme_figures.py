@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "train-vlm"
 README = ROOT / "README.md"
 RUN_INPUTS = ("vlm", "data_pipelines", "vision_encoders", "configs", "Makefile", "pyproject.toml")
-SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.S)
+SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.DOTALL)
 
 
 def _duration(seconds: float) -> str:
@@ -76,7 +76,7 @@ def readme_spans(text: str) -> dict[str, str]:
 def rewrite(text: str, figures: dict[str, str]) -> str:
     missing = set(figures) - set(readme_spans(text))
     if missing:
-        raise ValueError(f"README: no <!-- figures:{sorted(missing)[0]} --> span")
+        raise ValueError(f"README: no <!-- figures:{min(missing)} --> span")
     return SPAN.sub(lambda m: f"<!-- figures:{m.group(1)} -->{figures[m.group(1)]}<!-- /figures -->", text)
 
 
@@ -88,7 +88,7 @@ def publish(run_dir: Path, eval_dir: Path, commit: str = "HEAD", out: Path = RES
     git = ["git", "-C", str(ROOT)]
     commit = subprocess.run([*git, "rev-parse", commit], capture_output=True, text=True, check=True).stdout.strip()
     # the run's inputs (code, configs, the Makefile) in this tree differ from that commit
-    dirty = subprocess.run([*git, "diff", "--quiet", commit, "--", *RUN_INPUTS]).returncode != 0
+    dirty = subprocess.run([*git, "diff", "--quiet", commit, "--", *RUN_INPUTS], check=False).returncode != 0
     run = {"commit": commit, "dirty": dirty, "published": time.strftime("%Y-%m-%d %H:%M"),
            "cpu_count": os.cpu_count(), "target_ratio": text_config["target_ratio"],
            "run_dir": str(run_dir), "eval_dir": str(eval_dir)}

@@ -59,7 +59,7 @@ def run_make(argv: list[str], mode: str) -> int:
         return 0
     made = [arg for stamp in MAKE_MADE for arg in ("-o", stamp)]
     proc = subprocess.run([os.environ["README_SHIM_REAL_MAKE"], "-s", "-n", "-f", os.environ["README_SHIM_MAKEFILE"],
-                           *made, *argv], capture_output=True, text=True)
+                           *made, *argv], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
         return proc.returncode
@@ -67,7 +67,7 @@ def run_make(argv: list[str], mode: str) -> int:
         if not line.strip() or line.startswith("make"):
             continue
         print(f"[readme-shim] make {' '.join(argv)}: {line}", flush=True)
-        code = subprocess.run(["bash", "-ec", line]).returncode
+        code = subprocess.run(["bash", "-ec", line], check=False).returncode
         if code != 0:
             return code
     return 0

@@ -31,10 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import yaml
-
 from _readme_shim import python_target
+
 from vlm.config.train import REPO_ROOT
 from vlm.reliability.runs import clean_env
 
@@ -149,7 +148,7 @@ def _run_bash(block: Block, root: Path, env: dict, timeout: int) -> subprocess.C
     script = root / f"block_{block.line}.sh"
     script.write_text("set -eo pipefail\n" + block.text)
     return subprocess.run(["bash", str(script)], cwd=root, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def _records(root: Path) -> list[dict]:
@@ -257,7 +256,7 @@ def test_blocks_not_run_validate(tmp_path, monkeypatch):
             checked.append(f"{block.where}: yaml fragment")
             continue
         assert block.lang == "bash", f"{block.where}: only bash and yaml blocks may be marked not-run"
-        syntax = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+        syntax = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True, check=False)
         assert syntax.returncode == 0, f"{block.where}: {syntax.stderr}"
         proc = _run_bash(block, root, env, timeout=120)
         assert proc.returncode == 0, f"{block.where}: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
@@ -280,7 +279,7 @@ def test_blocks_run_as_written(tmp_path):
             script = root / f"block_{block.line}.py"
             script.write_text(block.text)
             proc = subprocess.run([sys.executable, script.name], cwd=root, env=env, stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=600)
+                                  capture_output=True, text=True, timeout=600, check=False)
         else:
             proc = _run_bash(block, root, env, timeout=600)
         assert proc.returncode == 0, f"{block.where}:\n{block.text}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
