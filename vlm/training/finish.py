@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 
+from vision_encoders.hub import load_line_muted, log_load
 from vlm.safe_loading import load_state_dict_checked
 from vlm.training import lora
 from vlm.training.model_setup import build_model
@@ -15,31 +16,50 @@ from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
 from vlm.training.state import Progress, RunContext
 
 
-def export_hf(ctx: RunContext) -> Path:
-    """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0 (LoRA adapters merged)."""
-    out_dir = ctx.run_dir / "hf"
+def gather_state(ctx: RunContext) -> dict | None:
+    """Collective: the full fp32 state dict on CPU on rank 0 (None on the others): ZeRO-3 partitions
+    gathered, expert-parallel experts gathered and named as in the unsharded model."""
     module = ctx.module
     if ctx.zero_stage == 3:
         import deepspeed
 
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if ctx.is_main:
-                state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    elif is_expert_parallel(module):  # collective: each expert-parallel group gathers its experts
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return _fp32_cpu(module.state_dict()) if ctx.is_main else None
+    if is_expert_parallel(module):  # collective: each expert-parallel group gathers its experts
         full = full_state_dict(module)
-        state = {k: v.detach().float().cpu().clone() for k, v in full.items()} if ctx.is_main else None
-    else:
-        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if ctx.is_main else None
-    if ctx.is_main:
+        return _fp32_cpu(full) if ctx.is_main else None
+    return _fp32_cpu(module.state_dict()) if ctx.is_main else None
+
+
+def _fp32_cpu(state: dict) -> dict:
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def unsharded_model(ctx: RunContext, state: dict):
+    """Rank 0: a fresh, unsharded model holding ``state`` (LoRA adapters merged). The vision tower's
+    load line names this run's trained weights (the fresh build's random init is replaced at once)."""
+    with load_line_muted():
         fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
-        if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
-            lora.inject(fresh, ctx.cfg.train.lora)
-        missing, unexpected = load_state_dict_checked(fresh, state)
-        if missing or unexpected:
-            raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
-        if ctx.cfg.train.lora:
-            lora.merge(fresh)
+    if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
+        lora.inject(fresh, ctx.cfg.train.lora)
+    missing, unexpected = load_state_dict_checked(fresh, state)
+    if missing or unexpected:
+        raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if ctx.cfg.train.lora:
+        lora.merge(fresh)
+    vision = getattr(fresh, "vision", None)
+    if getattr(vision, "load_what", None):
+        vision.load_line = log_load(vision, vision.load_what, f"the weights trained in run {ctx.cfg.name}")
+    return fresh
+
+
+def export_hf(ctx: RunContext) -> Path:
+    """Collective: gather full weights (ZeRO-3 / expert parallel) and write <run>/hf on rank 0 (LoRA
+    adapters merged)."""
+    out_dir = ctx.run_dir / "hf"
+    state = gather_state(ctx)
+    if ctx.is_main:
+        fresh = unsharded_model(ctx, state)
         fresh.save_pretrained(str(out_dir))
         if ctx.processor is not None:
             ctx.processor.save_pretrained(str(out_dir))
@@ -50,20 +70,35 @@ def export_hf(ctx: RunContext) -> Path:
     return out_dir
 
 
+def _eval_model(ctx: RunContext, hf_dir: Path | None):
+    """Collective: the model the end-of-run eval scores, on rank 0 (None on the others): the export
+    if there is one; else the live module, or under ZeRO-3 / expert parallelism (rank 0 holds a shard
+    and cannot run alone: the MoE all-to-all and ZeRO-3's gathers need every rank) a gathered copy."""
+    if hf_dir is not None and (hf_dir / "config.json").is_file():
+        if not ctx.is_main:
+            return None
+        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+
+        return ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
+    if ctx.zero_stage == 3 or is_expert_parallel(ctx.module):
+        state = gather_state(ctx)
+        if not ctx.is_main:
+            return None
+        why = "ZeRO-3" if ctx.zero_stage == 3 else "expert parallelism"
+        ctx.say(f"[train] eval: on an unsharded copy of the gathered weights ({why}, no export)")
+        return unsharded_model(ctx, state)
+    return ctx.module if ctx.is_main else None
+
+
 def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
-    """Rank 0: held-out digits VQA on the exported model (loaded back with from_pretrained)."""
+    """Collective: held-out digits VQA, scored on rank 0, on the exported model (loaded back with
+    from_pretrained) or without an export on the trained weights (``_eval_model``)."""
     e = ctx.cfg.eval
     result = None
-    if ctx.is_main and e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    if e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:  # the same on every rank
         from vlm.training.vqa_eval import digits_vqa_accuracy
 
-        if hf_dir is not None and (hf_dir / "config.json").is_file():
-            model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
-        elif ctx.zero_stage < 3:
-            model = ctx.module
-        else:
-            model = None
+        model = _eval_model(ctx, hf_dir)
         if model is not None:
             model = model.to(ctx.model_device).float() if ctx.device == "cpu" else model.to(ctx.model_device)
             t0 = time.perf_counter()
