@@ -125,6 +125,8 @@ def summary_table(name: str, progress: Progress, peak_flops: float, wall_s: floa
         field = eval_result.get("breakdown_by")
         for kind, acc in eval_result.get("by_kind", {}).items():
             rows.append((f"  {field}={kind}" if field and field != "kind" else f"  {kind}", f"{acc:.1%}"))
+        if eval_result.get("breakdown_missing"):
+            rows.append((f"  by {field}", "none: no record has this field"))
         for key in ("ratio", "ratio_image", "ratio_text"):
             if key in eval_result:
                 rows.append((f"eval achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",
