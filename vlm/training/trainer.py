@@ -160,9 +160,10 @@ class Trainer:
                 print(text, flush=True)
 
     def _set_aside_previous_run(self) -> None:
-        """A fresh start in a run folder that already holds checkpoints / metrics (e.g. `make
-        train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl (one generation is
-        kept) so that ``--resume auto`` can never pick up a stale checkpoint of the earlier run."""
+        """A fresh start in a run folder that already holds checkpoints / metrics / an export (e.g.
+        `make train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl / hf.previous (one
+        generation is kept) so that ``--resume auto`` can never pick up a stale checkpoint of the
+        earlier run, and its export is neither overwritten nor taken for this run's."""
         import shutil
 
         ck = Path(self.cfg.ckpt_dir)
@@ -171,6 +172,12 @@ class Trainer:
             shutil.rmtree(prev, ignore_errors=True)
             os.rename(ck, prev)
             self.print(f"[train] fresh start: moved the earlier checkpoints to {prev} (use --resume auto to continue)")
+        hf = self.run_dir / "hf"
+        if hf.is_dir():
+            prev = hf.with_name("hf.previous")
+            shutil.rmtree(prev, ignore_errors=True)
+            os.rename(hf, prev)
+            self.print(f"[train] fresh start: moved the earlier run's Hugging Face export to {prev}")
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():
             os.replace(metrics, self.run_dir / "metrics.previous.jsonl")
