@@ -14,7 +14,7 @@ import torch
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
 from vlm.training import finish, lora, optim, periodic, reshard
-from vlm.training.data import build_loader
+from vlm.training.data import build_loader, check_data_paths
 from vlm.training.distributed import (
     barrier,
     build_ds_config,
@@ -59,6 +59,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: str | None = None, faults: Faults | None = None):
         self.cfg = cfg
+        check_data_paths(cfg)  # a missing file is one line now, not after the model is built
         self.logger: MetricsLogger | None = None
         if faults is None:
             faults = Faults.from_env()
