@@ -1,5 +1,5 @@
-"""After training: the Hugging Face export (gathered under ZeRO-3), the held-out VQA evaluation of
-the exported model, and the summary table / summary.json."""
+"""After training: the Hugging Face export (gathered under ZeRO-3 / expert parallelism), the held-out
+VQA evaluation of the exported (or trained) model, and the summary table / summary.json."""
 from __future__ import annotations
 
 import json
@@ -7,50 +7,9 @@ import math
 import time
 from pathlib import Path
 
-from vision_encoders.hub import load_line_muted, log_load
-from vlm.safe_loading import load_state_dict_checked
-from vlm.training import lora
-from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
-from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
+from vlm.training.gathered import gather_state, scoring_model, unsharded_model
 from vlm.training.state import Progress, RunContext
-
-
-def gather_state(ctx: RunContext) -> dict | None:
-    """Collective: the full fp32 state dict on CPU on rank 0 (None on the others): ZeRO-3 partitions
-    gathered, expert-parallel experts gathered and named as in the unsharded model."""
-    module = ctx.module
-    if ctx.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return _fp32_cpu(module.state_dict()) if ctx.is_main else None
-    if is_expert_parallel(module):  # collective: each expert-parallel group gathers its experts
-        full = full_state_dict(module)
-        return _fp32_cpu(full) if ctx.is_main else None
-    return _fp32_cpu(module.state_dict()) if ctx.is_main else None
-
-
-def _fp32_cpu(state: dict) -> dict:
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
-
-
-def unsharded_model(ctx: RunContext, state: dict):
-    """Rank 0: a fresh, unsharded model holding ``state`` (LoRA adapters merged). The vision tower's
-    load line names this run's trained weights (the fresh build's random init is replaced at once)."""
-    with load_line_muted():
-        fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
-    if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
-        lora.inject(fresh, ctx.cfg.train.lora)
-    missing, unexpected = load_state_dict_checked(fresh, state)
-    if missing or unexpected:
-        raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    if ctx.cfg.train.lora:
-        lora.merge(fresh)
-    vision = getattr(fresh, "vision", None)
-    if getattr(vision, "load_what", None):
-        vision.load_line = log_load(vision, vision.load_what, f"the weights trained in run {ctx.cfg.name}")
-    return fresh
 
 
 def export_hf(ctx: RunContext) -> Path:
@@ -72,22 +31,19 @@ def export_hf(ctx: RunContext) -> Path:
 
 def _eval_model(ctx: RunContext, hf_dir: Path | None):
     """Collective: the model the end-of-run eval scores, on rank 0 (None on the others): the export
-    if there is one; else the live module, or under ZeRO-3 / expert parallelism (rank 0 holds a shard
-    and cannot run alone: the MoE all-to-all and ZeRO-3's gathers need every rank) a gathered copy."""
+    if there is one, else ``scoring_model`` (the live module, or under ZeRO-3 / expert parallelism an
+    unsharded copy of the gathered weights: rank 0 alone cannot run its shard)."""
     if hf_dir is not None and (hf_dir / "config.json").is_file():
         if not ctx.is_main:
             return None
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
 
         return ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
-    if ctx.zero_stage == 3 or is_expert_parallel(ctx.module):
-        state = gather_state(ctx)
-        if not ctx.is_main:
-            return None
+    model = scoring_model(ctx)
+    if model is not None and model is not ctx.module:
         why = "ZeRO-3" if ctx.zero_stage == 3 else "expert parallelism"
         ctx.say(f"[train] eval: on an unsharded copy of the gathered weights ({why}, no export)")
-        return unsharded_model(ctx, state)
-    return ctx.module if ctx.is_main else None
+    return model
 
 
 def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
