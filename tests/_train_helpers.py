@@ -20,11 +20,31 @@ from vlm.training.distributed import free_port
 from vlm.config.train import REPO_ROOT
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant: torchrun starts each worker in a session
+    of its own, out of reach of the group kill, and a worker left alive holds the output pipe open."""
+    import psutil  # a DeepSpeed dependency
+
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for kid in kids:
+        try:
+            kid.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, launcher: str = "torchrun",
            env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``vlm.train`` in a subprocess: ``python -m vlm.train`` (nproc=1, launcher='python'),
-    ``torchrun --standalone`` or the ``deepspeed`` launcher. The whole process group is killed on
-    timeout, and the captured output is attached to the raised error."""
+    ``torchrun --standalone`` or the ``deepspeed`` launcher. On timeout the launcher and all its
+    workers are killed (``kill_tree``), and the captured output is attached to the raised error."""
     py = sys.executable
     if launcher == "python":
         cmd = [py, "-m", "vlm.train"]
@@ -41,7 +61,7 @@ def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, lau
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise TimeoutError(f"{' '.join(cmd)} timed out after {timeout}s (hang?):\n{out[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -110,7 +110,12 @@ def test_eval_breakdown_by_a_record_field(user_run):
     assert set(by_id["by_kind"]) == {"user-0", "user-1", "user-2"}
     odd = digits_vqa_accuracy(module, tr.processor, str(data["eval"]), str(data["images"]), limit=2,
                               batch_size=2, max_new_tokens=1, breakdown_by="no_such_field")
-    assert odd["by_kind"].keys() == {"(none)"}
+    assert odd["by_kind"] == {} and odd["breakdown_missing"] and odd["total"] == 2  # no "(none)" group
+    from vlm.training.finish import summary_table
+
+    table = summary_table("mine", tr.progress, 1.0, 1.0, odd)
+    assert "(none)" not in table and "| " + "  by no_such_field" in table and "no record has this field" in table
+    assert "breakdown_missing" not in plain and "breakdown_missing" not in by_id
 
 
 def test_progress_lines_without_the_bar(user_run):

@@ -1,16 +1,21 @@
 """Expert parallelism (vlm/training/expert_parallel.py) on CPU / gloo: the same losses and parameters
 as plain data parallelism on the same ranks and global batch, exact resume under EP, the export
-gathers every expert, and the settings EP cannot serve stop with one line."""
+gathers every expert, the end-of-run VQA eval of a VLM runs with and without an export (no hang),
+and the settings EP cannot serve stop with one line."""
 from __future__ import annotations
 
 import glob
+import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import _train_helpers as helpers
-from vlm.config.core import ConfigError
+from _eval_helpers import default_data_dir
+from vlm.config.core import ConfigError, read_yaml
+from vlm.config.train import REPO_ROOT
 
 STEPS = 10
 # AdamW's m / (sqrt(v) + eps) turns the last-bit differences of a near-cancelling expert gradient
@@ -76,6 +81,45 @@ def test_ep_four_ranks_matches_data_parallel(tmp_path):
         run = tmp_path / f"ep{ep}_of_4"
         _train(tmp_path, run.name, 4, ep, train=train)
         _compare(ref, run, 4, ep)
+
+
+def test_ep_vlm_end_of_run_eval_with_and_without_export(tmp_path, tmp_path_factory):
+    """The VLM's held-out eval after an EP run: without an export rank 0 alone cannot run the sharded
+    live model (its all-to-all waits for rank 1, which waits at the barrier: a hang), so it scores an
+    unsharded copy of the gathered weights; with an export it scores the export. Same weights, same
+    scores. The periodic eval and the boundary picture (rank 0 too) run on such a copy. A hang fails
+    at the launch timeout."""
+    data = default_data_dir(tmp_path_factory)
+    base = read_yaml(REPO_ROOT / "configs" / "train" / "default.yaml")
+    scores = {}
+    for export in (False, True):
+        name = f"ep_vlm_export_{str(export).lower()}"
+        raw = helpers.config(tmp_path, base=base, name=name, data={"root": data},
+                             model={"tokenizer": os.path.join(data, "tokenizer")},
+                             train={"max_steps": 2, "micro_batch_size": 4, "warmup_steps": 1},
+                             log={"every_steps": 1, "progress_bar": False, "report_to": ["jsonl"],
+                                  "visualize_every": 0 if export else 1},
+                             checkpoint={"every_steps": 0, "save_final": False, "export_hf": export},
+                             eval={"every_steps": 0 if export else 1, "periodic_limit": 3,
+                                   "limit": 6, "batch_size": 6, "max_new_tokens": 2,
+                                   "vqa_json": os.path.join(data, "digits_test.json"),
+                                   "image_root": os.path.join(data, "images")},
+                             parallel={"expert_parallel_size": 2})
+        proc = helpers.launch(helpers.write_config(tmp_path, raw, f"{name}.yaml"), nproc=2, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        gathered = "[train] eval: on an unsharded copy of the gathered weights (expert parallelism, no export)"
+        assert (gathered in proc.stdout) != export
+        assert (tmp_path / name / "hf" / "config.json").is_file() == export
+        if not export:  # periodic eval at step 1 (not the last), pictures at steps 1 and 2
+            lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            periodic = [r for r in map(json.loads, lines) if "eval_vqa_accuracy" in r]
+            assert [r["step"] for r in periodic] == [1] and "held-out VQA" in proc.stdout
+            assert sorted(p.name for p in (tmp_path / name / "boundaries").iterdir()) == [
+                "step_000001.png", "step_000002.png"]
+        ev = json.loads((tmp_path / name / "summary.json").read_text())["eval"]
+        assert ev["total"] == 6
+        scores[export] = {k: ev[k] for k in ("correct", "ratio", "ratio_image", "ratio_text", "examples")}
+    assert scores[False] == scores[True]
 
 
 def test_ep_refused_by_the_trainer_with_one_line(tmp_path):

@@ -189,7 +189,9 @@ class VisionEncoder(nn.Module, abc.ABC):
         return self._embed_dim
 
     def log_weights(self, what: str, source: str) -> str:
-        """Log the one load line (call at the end of the backend's ``__init__``); returns it."""
+        """Log the one load line (call at the end of the backend's ``__init__``); returns it.
+        ``load_what`` keeps ``what`` for a later load into this tower to log its own line."""
+        self.load_what = what
         self.load_line = log_load(self, what, source)
         return self.load_line
 

@@ -123,6 +123,18 @@ def weights_digest(module: nn.Module) -> tuple[int, str]:
     return len(tensors), "sha1 " + sha.hexdigest()[:8]
 
 
+@contextmanager
+def load_line_muted():
+    """No load line inside: for a tower whose weights the caller replaces at once and then logs
+    with ``log_load`` (an export's fresh copy of a trained model)."""
+    before = LOG.disabled
+    LOG.disabled = True
+    try:
+        yield
+    finally:
+        LOG.disabled = before
+
+
 def log_load(module: nn.Module, what: str, source: str) -> str:
     """The one line every vision load logs: what, from where, tensor count and checksum."""
     count, digest = weights_digest(module)

@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="set by the deepspeed launcher; LOCAL_RANK from the environment is used")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may stand after a flag (--resume X a.b=1)
 
 
 def _quiet_imports() -> None:

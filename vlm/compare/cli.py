@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="retrain even where a finished run with the same key exists")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the compare YAML")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may stand after a flag (--seeds 2 a.b=1)
 
 
 def main(argv=None) -> int:

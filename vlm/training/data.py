@@ -31,6 +31,52 @@ def data_config(cfg: TrainConfig) -> dict:
     return base
 
 
+def check_data_paths(cfg: TrainConfig) -> None:
+    """Before anything is built: every file the run will read exists (``data.datasets[i].path`` /
+    ``.image_root`` of a mixture, ``eval.vqa_json`` / ``eval.image_root`` of a VLM), else one
+    ``ConfigError`` naming the key and the path as the loader would open it."""
+    import os
+
+    if cfg.data.kind == "mixture":
+        data = data_config(cfg)
+        root = data.get("root")
+        where = f" (in data.config {cfg.data.config})" if cfg.data.datasets is None and cfg.data.config else ""
+        resolve = lambda p: p if root is None or os.path.isabs(p) else os.path.join(root, p)  # as build_sources
+        for i, entry in enumerate(data.get("datasets") or []):
+            if not isinstance(entry, dict) or not entry.get("path"):
+                continue  # the config check and build_sources name these
+            key, path = f"data.datasets[{i}]", resolve(str(entry["path"]))
+            if entry.get("type") == "webdataset":
+                missing = _missing_shard(path)
+                if missing is not None:
+                    raise ConfigError(f"config error: {key}.path{where}: {missing}")
+            elif entry.get("type") in ("llava_json", "text") and not os.path.isfile(path):
+                raise ConfigError(f"config error: {key}.path{where}: file not found: {path}")
+            image_root = entry.get("image_root")
+            if entry.get("type") == "llava_json" and image_root and not os.path.isdir(resolve(str(image_root))):
+                raise ConfigError(f"config error: {key}.image_root{where}: folder not found: {resolve(str(image_root))}")
+    e = cfg.eval
+    if cfg.model.kind == "vlm" and e.vqa_json:
+        if not os.path.isfile(e.vqa_json):
+            raise ConfigError(f"config error: eval.vqa_json: file not found: {e.vqa_json}")
+        if e.image_root and not os.path.isdir(e.image_root):
+            raise ConfigError(f"config error: eval.image_root: folder not found: {e.image_root}")
+
+
+def _missing_shard(path: str) -> str | None:
+    """Why the shards of ``path`` (a folder, glob or brace pattern) cannot be read, or None."""
+    import os
+
+    from data_pipelines.webdataset_shards import list_shards
+
+    shards = list_shards(path)
+    if not shards:
+        return f"no shards found: {path}"
+    local = [s for s in shards if "://" not in s and not s.startswith("pipe:")]
+    gone = next((s for s in local if not os.path.isfile(s)), None)
+    return f"shard not found: {gone}" if gone else None
+
+
 def build_loader(cfg: TrainConfig, model, model_config, tokenizer, processor, rank: int, world_size: int):
     """``data.kind: mixture``: ``data_pipelines.mixture.build_loader`` with the data YAML
     (``data.config``) updated by the non-null loader keys of the ``data`` section; ``synthetic``:

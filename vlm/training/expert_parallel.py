@@ -52,9 +52,6 @@ def check_supported(cfg, world_size: int, model: nn.Module, zero_stage: int) -> 
     if zero_stage == 3:
         problems.append("ZeRO-3 with expert parallelism is not supported (use zero1 / zero2: experts are "
                         "already sharded, ZeRO-1/2 shards their optimizer state over the expert-data-parallel group)")
-    if cfg.eval.every_steps or cfg.log.visualize_every:
-        problems.append("eval.every_steps / log.visualize_every run the live model on rank 0 alone, "
-                        "which cannot take part in the all-to-all (set them to 0; the end-of-run eval still runs)")
     if cfg.train.lora:
         problems.append("train.lora is not supported with expert parallelism")
     if problems:

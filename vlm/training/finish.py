@@ -1,5 +1,5 @@
-"""After training: the Hugging Face export (gathered under ZeRO-3), the held-out VQA evaluation of
-the exported model, and the summary table / summary.json."""
+"""After training: the Hugging Face export (gathered under ZeRO-3 / expert parallelism), the held-out
+VQA evaluation of the exported (or trained) model, and the summary table / summary.json."""
 from __future__ import annotations
 
 import json
@@ -7,39 +7,18 @@ import math
 import time
 from pathlib import Path
 
-from vlm.safe_loading import load_state_dict_checked
-from vlm.training import lora
-from vlm.training.model_setup import build_model
 from vlm.training.distributed import barrier
-from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
+from vlm.training.gathered import gather_state, scoring_model, unsharded_model
 from vlm.training.state import Progress, RunContext
 
 
 def export_hf(ctx: RunContext) -> Path:
-    """Collective: gather full weights (ZeRO-3) and write <run>/hf on rank 0 (LoRA adapters merged)."""
+    """Collective: gather full weights (ZeRO-3 / expert parallel) and write <run>/hf on rank 0 (LoRA
+    adapters merged)."""
     out_dir = ctx.run_dir / "hf"
-    module = ctx.module
-    if ctx.zero_stage == 3:
-        import deepspeed
-
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if ctx.is_main:
-                state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    elif is_expert_parallel(module):  # collective: each expert-parallel group gathers its experts
-        full = full_state_dict(module)
-        state = {k: v.detach().float().cpu().clone() for k, v in full.items()} if ctx.is_main else None
-    else:
-        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if ctx.is_main else None
+    state = gather_state(ctx)
     if ctx.is_main:
-        fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
-        if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
-            lora.inject(fresh, ctx.cfg.train.lora)
-        missing, unexpected = load_state_dict_checked(fresh, state)
-        if missing or unexpected:
-            raise RuntimeError(f"export: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
-        if ctx.cfg.train.lora:
-            lora.merge(fresh)
+        fresh = unsharded_model(ctx, state)
         fresh.save_pretrained(str(out_dir))
         if ctx.processor is not None:
             ctx.processor.save_pretrained(str(out_dir))
@@ -50,20 +29,32 @@ def export_hf(ctx: RunContext) -> Path:
     return out_dir
 
 
+def _eval_model(ctx: RunContext, hf_dir: Path | None):
+    """Collective: the model the end-of-run eval scores, on rank 0 (None on the others): the export
+    if there is one, else ``scoring_model`` (the live module, or under ZeRO-3 / expert parallelism an
+    unsharded copy of the gathered weights: rank 0 alone cannot run its shard)."""
+    if hf_dir is not None and (hf_dir / "config.json").is_file():
+        if not ctx.is_main:
+            return None
+        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+
+        return ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
+    model = scoring_model(ctx)
+    if model is not None and model is not ctx.module:
+        why = "ZeRO-3" if ctx.zero_stage == 3 else "expert parallelism"
+        ctx.say(f"[train] eval: on an unsharded copy of the gathered weights ({why}, no export)")
+    return model
+
+
 def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
-    """Rank 0: held-out digits VQA on the exported model (loaded back with from_pretrained)."""
+    """Collective: held-out digits VQA, scored on rank 0, on the exported model (loaded back with
+    from_pretrained) or without an export on the trained weights (``_eval_model``)."""
     e = ctx.cfg.eval
     result = None
-    if ctx.is_main and e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    if e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:  # the same on every rank
         from vlm.training.vqa_eval import digits_vqa_accuracy
 
-        if hf_dir is not None and (hf_dir / "config.json").is_file():
-            model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
-        elif ctx.zero_stage < 3:
-            model = ctx.module
-        else:
-            model = None
+        model = _eval_model(ctx, hf_dir)
         if model is not None:
             model = model.to(ctx.model_device).float() if ctx.device == "cpu" else model.to(ctx.model_device)
             t0 = time.perf_counter()
@@ -91,6 +82,8 @@ def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
         field = eval_result.get("breakdown_by")
         for kind, acc in eval_result.get("by_kind", {}).items():
             rows.append((f"  {field}={kind}" if field and field != "kind" else f"  {kind}", f"{acc:.1%}"))
+        if eval_result.get("breakdown_missing"):
+            rows.append((f"  by {field}", "none: no record has this field"))
         for key in ("ratio", "ratio_image", "ratio_text"):
             if key in eval_result:
                 rows.append((f"eval achieved R ({key.replace('ratio_', '') if '_' in key else 'pooled'})",

@@ -1,5 +1,6 @@
-"""In-training hooks on rank 0 with the live weights: a boundary picture every
-``log.visualize_every`` steps and a held-out VQA score every ``eval.every_steps`` steps."""
+"""In-training hooks run on rank 0 with the current weights: a boundary picture every
+``log.visualize_every`` steps and a held-out VQA score every ``eval.every_steps`` steps. Under
+expert parallelism rank 0 runs an unsharded copy of the gathered weights (``gathered.scoring_model``)."""
 from __future__ import annotations
 
 import json
@@ -12,19 +13,24 @@ import numpy as np
 import torch
 
 from vlm.training.distributed import barrier
+from vlm.training.gathered import scoring_model
 from vlm.training.state import RunContext
 
 
 def boundary_picture(ctx: RunContext, step: int, tb: Any | None = None) -> None:
     """A picture of the chunk boundaries (``vlm.visualize.render_boundaries``) on the first
     ``eval.vqa_json`` question, saved to <run>/boundaries/ and to the TensorBoard writer ``tb``.
-    Skipped silently when ``vlm.visualize`` is missing, and for ZeRO-3 (rank 0 holds only a shard)."""
+    Collective under expert parallelism (the weights are gathered). Skipped silently when
+    ``vlm.visualize`` is missing, and for ZeRO-3 (rank 0 holds only a shard)."""
     e = ctx.cfg.eval
-    if not ctx.is_main or ctx.processor is None or ctx.zero_stage == 3 or not e.vqa_json:
+    if ctx.processor is None or ctx.zero_stage == 3 or not e.vqa_json:  # the same on every rank
         return
     try:
         from vlm.visualize import render_boundaries
     except ImportError:
+        return
+    model = scoring_model(ctx)
+    if model is None:  # not rank 0
         return
     try:
         from data_pipelines.images import load_image
@@ -33,7 +39,7 @@ def boundary_picture(ctx: RunContext, step: int, tb: Any | None = None) -> None:
             rec = json.load(f)[0]
         image = load_image(os.path.join(e.image_root or "", rec["image"]))
         prompt = rec["conversations"][0]["value"]
-        picture = render_boundaries(ctx.module, ctx.processor, [image], prompt)
+        picture = render_boundaries(model, ctx.processor, [image], prompt)
         path = ctx.run_dir / "boundaries" / f"step_{step:06d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         picture.save(path)
@@ -45,14 +51,18 @@ def boundary_picture(ctx: RunContext, step: int, tb: Any | None = None) -> None:
 
 
 def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> None:
-    """Collective (a barrier): held-out VQA on the live weights, scored on rank 0 (ZeRO-1/2 keep
-    full weights on every rank; skipped on ZeRO-3); the record goes to ``log``."""
+    """Collective (a barrier): held-out VQA on the current weights, scored on rank 0 (ZeRO-1/2 keep
+    full weights on every rank, expert parallelism gathers them; skipped on ZeRO-3); the record goes
+    to ``log``."""
     e = ctx.cfg.eval
-    if ctx.zero_stage < 3 and ctx.is_main and e.vqa_json and ctx.processor is not None:
+    model = None
+    if ctx.zero_stage < 3 and e.vqa_json and ctx.processor is not None:  # the same on every rank
+        model = scoring_model(ctx)
+    if model is not None:
         from vlm.training.vqa_eval import digits_vqa_accuracy
 
         t0 = time.perf_counter()
-        res = digits_vqa_accuracy(ctx.module, ctx.processor, e.vqa_json, e.image_root or "",
+        res = digits_vqa_accuracy(model, ctx.processor, e.vqa_json, e.image_root or "",
                                   e.periodic_limit, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                                   breakdown_by=e.breakdown_by)
         log({"step": step, "eval_vqa_accuracy": res["accuracy"],

@@ -14,7 +14,7 @@ import torch
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
 from vlm.training import finish, lora, optim, periodic, reshard
-from vlm.training.data import build_loader
+from vlm.training.data import build_loader, check_data_paths
 from vlm.training.distributed import (
     barrier,
     build_ds_config,
@@ -61,6 +61,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: str | None = None, faults: Faults | None = None):
         self.cfg = cfg
+        check_data_paths(cfg)  # a missing file is one line now, not after the model is built
         self.logger: MetricsLogger | None = None
         if faults is None:
             faults = Faults.from_env()
@@ -166,9 +167,10 @@ class Trainer:
                 print(text, flush=True)
 
     def _set_aside_previous_run(self) -> None:
-        """A fresh start in a run folder that already holds checkpoints / metrics (e.g. `make
-        train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl (one generation is
-        kept) so that ``--resume auto`` can never pick up a stale checkpoint of the earlier run."""
+        """A fresh start in a run folder that already holds checkpoints / metrics / an export (e.g.
+        `make train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl / hf.previous (one
+        generation is kept) so that ``--resume auto`` can never pick up a stale checkpoint of the
+        earlier run, and its export is neither overwritten nor taken for this run's."""
         import shutil
 
         ck = Path(self.cfg.ckpt_dir)
@@ -177,6 +179,12 @@ class Trainer:
             shutil.rmtree(prev, ignore_errors=True)
             os.rename(ck, prev)
             self.print(f"[train] fresh start: moved the earlier checkpoints to {prev} (use --resume auto to continue)")
+        hf = self.run_dir / "hf"
+        if hf.is_dir():
+            prev = hf.with_name("hf.previous")
+            shutil.rmtree(prev, ignore_errors=True)
+            os.rename(hf, prev)
+            self.print(f"[train] fresh start: moved the earlier run's Hugging Face export to {prev}")
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():
             os.replace(metrics, self.run_dir / "metrics.previous.jsonl")

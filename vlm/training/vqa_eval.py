@@ -11,13 +11,16 @@ import torch
 from vlm.modeling.chunking import achieved_ratio, concept_counts
 
 
+MISSING = "(none)"  # the breakdown key of records that lack the field (when others have it)
+
+
 def _group(record: dict, field: str | None) -> str | None:
-    """The breakdown key of a record: the value of its ``field`` (``"(none)"`` when missing), or None
+    """The breakdown key of a record: the value of its ``field`` (``MISSING`` when absent), or None
     when there is no breakdown."""
     if not field:
         return None
     value = record.get(field)
-    return "(none)" if value is None else str(value)
+    return MISSING if value is None else str(value)
 
 
 def _question_answer(record: dict) -> tuple[str, str]:
@@ -40,7 +43,8 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
     compression ratio R = tokens / concepts, pooled and per modality (image / text tokens).
 
     ``breakdown_by``: a record field (the default data's ``kind``: digit / parity / plus_one); the
-    accuracy per value of it goes to ``by_kind`` (empty when None).
+    accuracy per value of it goes to ``by_kind`` (empty when None, and when no scored record has the
+    field: ``breakdown_missing`` is then True). Records without it, among others with it, form ``MISSING``.
 
     Returns ``{"accuracy", "correct", "total", "breakdown_by", "by_kind": {value: accuracy}, "ratio", "ratio_image",
     "ratio_text", "examples": [first few (question, answer, prediction)]}``. Chance level: 10% for
@@ -107,9 +111,14 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
     finally:
         model.train(was_training)
     total, correct = n_total, n_correct
+    missing = bool(breakdown_by) and set(totals) == {MISSING}
+    if missing:  # no record has the field: no breakdown (the summary says so), not a single "(none)" row
+        totals.clear()
     result = {"accuracy": correct / total if total else float("nan"), "correct": correct, "total": total,
               "breakdown_by": breakdown_by, "by_kind": {k: hits[k] / totals[k] for k in sorted(totals)},
               "examples": examples}
+    if missing:
+        result["breakdown_missing"] = True
     for key, name in (("all", "ratio"), ("img", "ratio_image"), ("txt", "ratio_text")):
         if bnd[key]:
             result[name] = achieved_ratio(tok[key], bnd[key])
