@@ -105,12 +105,13 @@ def test_two_process_zero2_resume(zero2_run, tmp_path):
 # ZeRO-1/2/3 shard optimizer state, gradients and (ZeRO-3) parameters differently but compute the
 # same fp32 update; on CPU they differ only in the order of the gradient sums (all-reduce vs
 # reduce-scatter buckets, partitioned norms). Measured over these 6 steps: |loss diff| <= 3.6e-7
-# (losses ~7), grad norm relative diff <= 8.5e-7 (norms 1.2-13). The tolerances leave ~30x room for
-# other CPUs / thread counts; a lost or stale gradient partition or parameter shard changes the
-# update and so the losses, and a wrong gradient scale (to which AdamW is blind) shows in the norm,
-# by orders of magnitude more.
+# (losses ~7), grad norm relative diff <= 8.5e-7 (norms 1.2-13); with the packages `make setup`
+# installed on 2026-12-04 the ZeRO-3 norm at step 4 differs by 1.16e-5 (the code at 03ec837 too).
+# The tolerances leave room for other CPUs / thread counts / package builds; a lost or stale
+# gradient partition or parameter shard changes the update and so the losses, and a wrong
+# gradient scale (to which AdamW is blind) shows in the norm, by orders of magnitude more.
 LOSS_TOL = 1e-5   # absolute, on loss / lm_loss
-NORM_RTOL = 1e-5  # relative, on the global gradient norm
+NORM_RTOL = 5e-5  # relative, on the global gradient norm
 
 
 @pytest.mark.parametrize("zero", ["zero1", "zero3"])
