@@ -28,13 +28,16 @@ if [ ! -f "$STAMP" ] || [ scripts/gpu/image_requirements.txt -nt "$STAMP" ]; the
   extra=$("$RVENV/bin/python" - <<'EOF'
 import importlib.metadata as md, re
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-image = {norm(l) for l in open("scripts/gpu/image_packages.txt") if l.strip() and not l.startswith("#")}
+image = {norm(l.strip()) for l in open("scripts/gpu/image_packages.txt") if l.strip() and not l.startswith("#")}
 print(" ".join(sorted({norm(d.metadata["Name"]) for d in md.distributions()} - image - {"pip"})))
 EOF
 )
   if [ -n "$extra" ]; then echo "gpu_rehearsal: not on the GPU image, removed: $extra"; "$RVENV/bin/python" -m pip uninstall -q -y $extra; fi
+  "$RVENV/bin/python" -c "import torch, transformers, timm, peft" \
+    || { echo "gpu_rehearsal: $RVENV lost a package the GPU image has"; exit 2; }
   touch "$STAMP"
 fi
-echo "gpu_rehearsal: $("$RVENV/bin/python" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__)')"
+versions=$("$RVENV/bin/python" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__)')
+echo "gpu_rehearsal: $versions"
 DEVICE=cpu PY=$RVENV/bin/python GPU_CHECK_OUT=${GPU_CHECK_OUT:-runs/gpu_rehearsal} \
   GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-1500} bash scripts/gpu_check.sh
