@@ -153,6 +153,27 @@ def test_all_padding_row_block():
     assert int(stats.tokens_per_expert.sum()) == 0
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_backward_keeps_two_top_k_buffers(padded):
+    """Issue 27 item 2: the sorted dispatch keeps two [N * K, D] tensors for the backward, the grouped
+    GEMM's input and the combine's unweighted expert outputs (no third for an ``index_add_`` source)."""
+    moe = make_moe()
+    N = 2 * 16
+    x = dev(torch.randn(2, 16, D)).requires_grad_()
+    valid = dev(torch.ones(2, 16, dtype=torch.bool))
+    valid[0, :3] = False
+    storages = set()
+
+    def pack(t):
+        if t.dim() == 2 and tuple(t.shape) == (N * moe.top_k, D) and t.is_floating_point():
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = moe(x, valid if padded else None)
+    assert len(storages) == 2, len(storages)
+    y.sum().backward()  # the saved graph still runs
+
+
 def test_model_level_dispatch_equivalence(tiny_model):
     sorted_m = tiny_model("tiny")
     loop_m = tiny_model("tiny", moe_dispatch="loop")

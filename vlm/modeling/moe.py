@@ -3,9 +3,10 @@
 Dispatch ("sorted", the fast path): every (token, expert) assignment is sorted by expert, the
 tokens are gathered into one contiguous buffer of N * K rows, each expert's contiguous segment goes
 through its weights in one ``torch._grouped_mm`` per projection, and the weighted outputs are
-scattered back with ``index_add_``. No token is ever dropped, and nothing is read on the host: the
-segment ends (``offs``) stay on the device, and padding is not removed (a data-dependent shape) but
-sorted behind every expert's segment, outside every group (not computed), and masked to zero.
+gathered back to token order and summed over the top-k (``combine``). No token is ever dropped,
+and nothing is read on the host: the segment ends (``offs``) stay on the device, and padding is not
+removed (a data-dependent shape) but sorted behind every expert's segment, outside every group (not
+computed), and masked to zero.
 Only where torch has no grouped GEMM (CUDA in fp32 / fp16, a torch without ``_grouped_mm``) the
 segments go through a per-expert loop over ``split`` sizes read on the host (a named host sync, see
 syncs.py). ``MoEFeedForward.forward_loop`` (``moe_dispatch="loop"``) is the plain per-expert
@@ -136,10 +137,7 @@ class MoEFeedForward(nn.Module):
         y_sorted = grouped_swiglu(x_sorted, ends_E.to(torch.int32), self.w_gate, self.w_up, self.w_down)
         if real_S1 is not None:
             y_sorted = torch.where(real_S1, y_sorted, 0.0)
-        y_sorted = y_sorted * weights_NK.reshape(-1)[order, None].to(y_sorted.dtype)
-        out = x_ND.new_zeros(N, x_ND.shape[-1])
-        out.index_add_(0, token_idx, y_sorted.to(out.dtype))
-        return out, counts_E
+        return combine(y_sorted, order, weights_NK).to(x_ND.dtype), counts_E
 
     def experts_loop(self, x_ND, weights_NK, experts_NK) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: one masked pass per expert (tests only)."""
@@ -223,6 +221,21 @@ def sort_by_expert(experts_NK: torch.Tensor, num_experts: int, keep_N: torch.Ten
     sorted_e, order = flat_e.sort(stable=True)
     ends_E = torch.searchsorted(sorted_e, torch.arange(num_experts, device=flat_e.device), right=True)
     return sorted_e, order, ends_E, torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+
+
+def combine(y_SD: torch.Tensor, order_S: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    """The routing-weighted sum per token [N, D] of the expert outputs ``y_SD``, whose row i holds
+    assignment ``order_S[i]`` (a flat index n * K + k, as ``sort_by_expert`` orders them; rows past
+    ``y_SD``'s end, assignments never sent anywhere, count zero). Weighted in sorted order, gathered
+    back to token order, summed over k: the backward keeps one [S, D] tensor (the mul's input) and
+    indices, where ``index_add_`` would also keep its weighted [S, D] input."""
+    N, K = weights_NK.shape
+    S = y_SD.shape[0]
+    y_SD = y_SD * weights_NK.reshape(-1)[order_S[:S], None].to(y_SD.dtype)
+    if S < N * K:
+        y_SD = F.pad(y_SD, (0, 0, 0, N * K - S))
+    inverse_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(N * K, device=order_S.device))
+    return y_SD[inverse_S].view(N, K, -1).sum(1)
 
 
 def init_moe_weights(module: MoEFeedForward, std: float) -> None:
