@@ -104,6 +104,8 @@ def test_decode_smoke(decode_data):
             assert key in r
         # fixed boundaries, synthetic fill: N/R concepts + one per 2 decoded tokens
         assert r["concept_cache_entries_after"][0] >= r["kv_len"] // 2
+        held, allocated = r["concept_kv_after"]["held_bytes"], r["concept_kv_after"]["allocated_bytes"]
+        assert 0 < held <= allocated
     kv = decode_data["kv_bytes"][0]
     # concept layers hold 1/R of a baseline layer's bytes (within 5%), and match the formula
     assert abs(kv["concept_layer_rel_error_vs_1_over_R"]) < 0.05
