@@ -77,14 +77,15 @@ def _hf_prefill(hf, ids, cache):
 
 
 def bench_decode(models, hf, B, P, steps, s, log) -> dict:
-    """Prefill (timed, fresh caches) and ``steps`` greedy-free decode steps per measurement (the same
-    token fed every step; the caches keep growing over the rounds, capacity for all of them)."""
+    """Prefill (timed, fresh caches) and ``steps`` decode steps per measurement, fed random tokens (the
+    same sequence for every variant; a repeated token would make the router's boundaries, hence the
+    R2 model's achieved R, degenerate); the caches keep growing over the rounds, capacity for all."""
     from transformers import DynamicCache, StaticCache
 
     plain, con = models
     cap = P + steps * (s.warmup + s.reps + 1) + 2
     ids = random_ids(B, P, plain.config.vocab_size, s.device, seed=P + B)
-    tok = random_ids(B, 1, plain.config.vocab_size, s.device, seed=7)
+    fed = random_ids(B, cap - P, plain.config.vocab_size, s.device, seed=7)  # token fed at position P + i
     caches = {}
 
     def prefill(tag):
@@ -112,6 +113,7 @@ def bench_decode(models, hf, B, P, steps, s, log) -> dict:
         def decode(tag):
             def run():
                 for _ in range(steps):
+                    tok = fed[:, pos[tag] - P:pos[tag] - P + 1]
                     if tag.startswith("hf"):
                         position = torch.full((B, 1), pos[tag], device=s.device)
                         hf(input_ids=tok, cache=caches[tag], position_ids=position, use_cache=True)
@@ -120,8 +122,9 @@ def bench_decode(models, hf, B, P, steps, s, log) -> dict:
                     pos[tag] += 1
             return run
         dec = {t: decode(t) for t in DECODE}
-        step_gap = float((hf(input_ids=tok, cache=caches["hf_static"], position_ids=torch.full((B, 1), P, device=s.device),
-                             use_cache=True).logits[:, -1] - plain.step(caches["ours"], tok[:, 0])).abs().max())
+        at_P = torch.full((B, 1), P, device=s.device)
+        step_gap = float((hf(input_ids=fed[:, :1], cache=caches["hf_static"], position_ids=at_P,
+                             use_cache=True).logits[:, -1] - plain.step(caches["ours"], fed[:, 0])).abs().max())
         pos["hf_static"] += 1
         pos["ours"] += 1
         comp_d = interleaved(dec, s.device, s.reps, s.warmup)
