@@ -167,11 +167,12 @@ def run(argv=None) -> dict:
 
     def report():
         lat_table = md_table(["batch", "KV length", "MoE per step", "ConceptMoE per step", "speedup",
-                                "predicted (FLOPs)", "predicted (bytes, B=1)", "tokens/s MoE / ConceptMoE"], rows)
+                                "predicted (FLOPs)", "predicted (bytes, B=1)", "tokens/s MoE / ConceptMoE",
+                                "concept KV after decode: allocated / held"], rows)
         kv_rows = []
         for r in kv:
             if "skipped" in r:
-                kv_rows.append([f"{r['seq_len']:,}", "skipped: " + r["skipped"]] + [""] * 6)
+                kv_rows.append([f"{r['seq_len']:,}", "skipped: " + r["skipped"]] + [""] * 7)
                 continue
             b, c = r["moe"], r["concept"]
             for tag, d in (("MoE", b), ("ConceptMoE", c)):
@@ -183,16 +184,19 @@ def run(argv=None) -> dict:
                                      f"{m[g]['entries_per_layer'][0]:,}) / {fmt_num(f[g], 'B')}")
                     else:
                         cells.append("-")
+                con_alloc = (f"{fmt_num(m['concept']['allocated_bytes'], 'B')} / {fmt_num(m['concept']['bytes'], 'B')}"
+                             if m["concept"]["layers"] else "-")
                 kv_rows.append([f"{r['seq_len']:,}", tag, *cells,
                                 f"{fmt_num(m['total_bytes'], 'B')} / {fmt_num(f['total'], 'B')}",
-                                fmt_num(m["total_allocated_bytes"], "B")])
+                                fmt_num(m["total_allocated_bytes"], "B"), con_alloc])
             kv_rows.append([f"{r['seq_len']:,}", "ratio", "", f"concept layer / MoE layer = "
                             f"{r['concept_layer_over_baseline_layer']:.4f} (1/R = {r['target_1_over_R']:.4f}, "
                             f"{fmt_pct(r['concept_layer_rel_error_vs_1_over_R'], 2)})", "",
-                            f"{r['total_ratio']:.3f}", f"{r['allocated_total_ratio']:.3f}"])
+                            f"{r['total_ratio']:.3f}", f"{r['allocated_total_ratio']:.3f}", ""])
         kv_table = md_table(["KV length", "model", "encoder layers: measured / formula",
                                "concept layers: measured / formula", "decoder layers: measured / formula",
-                               "total held: measured / formula", "allocated (capacity)"], kv_rows)
+                               "total held: measured / formula", "allocated (capacity)",
+                               "concept layers: allocated / held"], kv_rows)
         md = (f"## Decode latency per token: ConceptMoE vs matched MoE\n\n{settings_line(s)}\n\n"
               f"- MoE: {pair_info['baseline']}\n- ConceptMoE: {pair_info['concept']}; boundary_mode=fixed (a concept "
               f"every {every} tokens, achieved R exactly {con_cfg.target_ratio:g}; same compute as a learned router "
@@ -206,9 +210,10 @@ def run(argv=None) -> dict:
               "token (batch 1)\n\n"
               + lat_table + "\n\n### KV-cache bytes (real prefill, batch 1; `KVCache.nbytes()` of the held entries vs "
               f"`vlm.flops.kv_bytes_per_token` x N; {dtype_bytes}-byte elements)\n\n" + kv_table + "\n\n"
-              "'allocated' = the preallocated k/v buffers (capacity = prompt + new tokens for EVERY cache: "
-              "`DecodeState.allocate` gives the concept caches the token capacity, so the held bytes shrink by R in "
-              "concept layers but the allocation does not).\n")
+              "'allocated' = the preallocated k/v buffers: token caches hold prompt + new tokens, concept caches "
+              "ceil(capacity / R) + 16 slots (`DecodeState.allocate`), grown by 1/16 when a step finds one full "
+              "(`generation.grown_capacity`); 'concept KV after decode' = the ConceptMoE's concept caches after "
+              "every timed step.\n")
         return {"pair": pair_info, "fill": fill_mode, "steps_per_measurement": steps, "batches": batches,
                 "results": results, "kv_bytes": kv}, md
 
@@ -242,6 +247,8 @@ def run(argv=None) -> dict:
                 free_memory(s.device)
                 break
             concept_entries = [int(c.num_entries().max()) for c in states["concept"].concept_caches]
+            concept_kv = {"allocated_bytes": sum(c.k.nbytes + c.v.nbytes for c in states["concept"].concept_caches),
+                          "held_bytes": sum(c.nbytes() for c in states["concept"].concept_caches)}
             sp = comp.speedup("moe", "concept")
             pred = predicted(base_cfg, con_cfg, N, dtype_bytes)
             per_tok = {t: comp.stats(t, 1.0 / steps) for t in models}
@@ -252,14 +259,16 @@ def run(argv=None) -> dict:
                                                      if pred["flops"] > 0 else None),
                    "moe_tokens_per_s": B / per_tok["moe"]["median"],
                    "concept_tokens_per_s": B / per_tok["concept"]["median"],
-                   "concept_cache_entries_after": concept_entries, "fill": fill_mode, "raw_times": comp.times}
+                   "concept_cache_entries_after": concept_entries, "concept_kv_after": concept_kv,
+                   "fill": fill_mode, "raw_times": comp.times}
             results.append(res)
             m, c = per_tok["moe"], per_tok["concept"]
             rows.append([B, f"{N:,}", fmt_median_iqr(m), fmt_median_iqr(c),
                          f"**{fmt_pct(sp['median_of_ratios'])}** [{fmt_pct(sp['ratio_q1'])}, "
                          f"{fmt_pct(sp['ratio_q3'])}]", fmt_pct(pred["flops"]),
                          fmt_pct(pred["bytes_batch1"]) if B == 1 else "",
-                         f"{res['moe_tokens_per_s']:.1f} / {res['concept_tokens_per_s']:.1f}"])
+                         f"{res['moe_tokens_per_s']:.1f} / {res['concept_tokens_per_s']:.1f}",
+                         f"{fmt_num(concept_kv['allocated_bytes'], 'B')} / {fmt_num(concept_kv['held_bytes'], 'B')}"])
             log(f"B={B} N={N}: {fmt_time(m['median'])} vs {fmt_time(c['median'])} per step, speedup "
                 f"{fmt_pct(sp['median_of_ratios'])} (predicted FLOPs {fmt_pct(pred['flops'])})")
             states = None

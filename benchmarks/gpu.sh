@@ -69,6 +69,7 @@ run decode 140
 run moe 60
 run moe 50 --shape 1024,128,8,96 --sizes 64,4096,32768 --tag bench_shape
 run train 70
+run vs_transformers 120
 # the training-path benchmarks of `make bench` (packed rows, learned router; dense mask vs DocLayout;
 # dechunk scaling): opt-in, they would take the script past 8 minutes (not yet run on a GPU)
 if [ "${PACKED:-0}" = 1 ]; then

@@ -21,7 +21,8 @@ from benchmarks.cli import RESULTS
 from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
-BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel")
+BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel",
+              "vs_transformers")
 
 
 def main(argv=None) -> int:

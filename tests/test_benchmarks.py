@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
-from benchmarks import attention, dechunk, decode, expert_parallel, moe, prefill, run_all, train, train_packed
+from benchmarks import (
+    attention, dechunk, decode, expert_parallel, moe, prefill, run_all, train, train_packed, vs_transformers,
+)
 from benchmarks.cli import parse_sizes
 from benchmarks.harness import interleaved, peak_memory, peak_memory_interleaved, stats
 from benchmarks.model_pair import build_model, load_pair, random_ids
@@ -78,6 +80,11 @@ def expert_parallel_data(out_dir):
     return _run(expert_parallel, out_dir)
 
 
+@pytest.fixture(scope="module")
+def vs_transformers_data(out_dir):
+    return _run(vs_transformers, out_dir)
+
+
 def test_prefill_smoke(prefill_data):
     res = prefill_data["results"]
     assert [r["seq_len"] for r in res] == prefill.PRESETS["smoke"]
@@ -104,6 +111,8 @@ def test_decode_smoke(decode_data):
             assert key in r
         # fixed boundaries, synthetic fill: N/R concepts + one per 2 decoded tokens
         assert r["concept_cache_entries_after"][0] >= r["kv_len"] // 2
+        held, allocated = r["concept_kv_after"]["held_bytes"], r["concept_kv_after"]["allocated_bytes"]
+        assert 0 < held <= allocated
     kv = decode_data["kv_bytes"][0]
     # concept layers hold 1/R of a baseline layer's bytes (within 5%), and match the formula
     assert abs(kv["concept_layer_rel_error_vs_1_over_R"]) < 0.05
@@ -221,6 +230,26 @@ def test_expert_parallel_smoke(expert_parallel_data):
     assert moe_b > 0 and con_b > 0 and presets[expert_parallel.PAPER[0]]["saved by EP=8"] > 0
 
 
+def test_vs_transformers_smoke(vs_transformers_data):
+    d = vs_transformers_data
+    assert set(d["results"]) == {"olmoe", "qwen3_moe"} and d["transformers"]
+    for fam, r in d["results"].items():
+        (t,) = r["train"]
+        assert set(t["vs_hf"]) == set(vs_transformers.TRAIN[1:])
+        for cell in t["vs_hf"].values():
+            assert cell["time_ratio"] > 0
+        assert t["R2_achieved_ratio"] > 1
+        assert [x["batch"] for x in r["decode"]] == [1, 2]
+        for x in r["decode"]:
+            # same weights: our prefill and first decode step give transformers' logits
+            assert x["prefill_logit_gap_vs_hf"] < 1e-4 and x["decode_logit_gap_vs_hf_static"] < 1e-4, fam
+            assert set(x["decode"]["vs_hf_static"]) == {"hf_dynamic", "ours", "ours_R2"}
+            kv = x["kv"]
+            assert 0 < kv["ours_R2"]["held_bytes"] <= kv["ours_R2"]["allocated_bytes"]
+            assert 0 < x["R2_concept_held_over_plain"] <= x["R2_concept_allocated_over_plain"]
+            assert x["R2_prompt_ratio"] > 1
+
+
 def test_peak_memory_sees_an_allocation():
     got = peak_memory(lambda: torch.ones(64 * 2**20 // 4).add_(1), torch.device("cpu"))
     assert got["bytes"] >= 32 * 2**20, got  # a 64 MiB tensor (RSS-based: page-granular, allow slack)
@@ -236,15 +265,15 @@ def test_peak_memory_variants_take_turns():
 
 
 def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
-                 dechunk_data, expert_parallel_data):
+                 dechunk_data, expert_parallel_data, vs_transformers_data):
     assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0
     text = (out_dir / "SUMMARY.md").read_text()
     for title in ("Prefill latency", "BEST CASE", "Decode latency", "MoE layer", "Training throughput",
                   "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling",
-                  "Expert parallelism"):
+                  "Expert parallelism", "Ours vs transformers"):
         assert title in text
     assert "| train_packed | ok, git " in text  # files of several runs: each names its commit
-    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk", "expert_parallel"}
+    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk", "expert_parallel", "vs_transformers"}
 
 
 def test_synthetic_fill_matches_real_prefill():

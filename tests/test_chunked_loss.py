@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from vlm.modeling.hf import chunked_lm_loss, lm_loss_fn, loss_only
@@ -41,6 +42,55 @@ def test_chunked_equals_full_logits_loss_and_grads(chunk):
     assert _maxdiff(got, ref) <= TOL
     for g, r in zip(got_g, ref_g):
         assert _maxdiff(g, r) <= TOL
+
+
+def _sliced_reference(logits_BTV, labels_BT):
+    """The textbook next-token loss: logits[:, :-1] against labels[:, 1:]."""
+    lg = logits_BTV[:, :-1].float()
+    lab = labels_BT[:, 1:]
+    return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-100, reduction="sum") \
+        / (lab != -100).sum().clamp(min=1)
+
+
+def test_shifted_labels_equal_the_sliced_reference():
+    """Issue 27 item 1: shifting the labels (instead of slicing the logits) leaves the loss and the
+    gradients of the logits, the hidden states and the head unchanged (fp32, <= 1e-6)."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 301, bias=False)
+    h = torch.randn(3, 25, 16, requires_grad=True)
+    labels = torch.randint(0, 301, (3, 25))
+    labels[1, :4] = -100
+    labels[2, -1] = -100
+    ref, ref_g = _grads(lambda: _sliced_reference(head(h), labels), h, head.weight)
+    for fn in (lambda: lm_loss_fn(head(h), labels), lambda: chunked_lm_loss(head, h, labels, chunk_tokens=7)):
+        got, got_g = _grads(fn, h, head.weight)
+        assert _maxdiff(got, ref) <= 1e-6
+        for g, r in zip(got_g, ref_g):
+            assert _maxdiff(g, r) <= 1e-6
+
+
+def _graph_ops(t: torch.Tensor) -> set:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def test_losses_never_slice_or_copy_the_logits():
+    """Issue 27 item 1: no slice (its backward zero-fills a full-size gradient and copies into it) and
+    no copy of the [B, T, V] logits / [B, T, D] hidden states between them and the loss."""
+    logits = torch.randn(2, 9, 50, requires_grad=True)
+    hidden = torch.randn(2, 9, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 50, bias=False)
+    labels = torch.randint(0, 50, (2, 9))
+    for loss in (lm_loss_fn(logits, labels), chunked_lm_loss(head, hidden, labels, chunk_tokens=100)):
+        ops = _graph_ops(loss)
+        assert not ops & {"SliceBackward0", "CloneBackward0", "CopyBackwards", "UnsafeViewBackward0"}, ops
 
 
 def test_no_labels_left_is_zero_with_zero_grads():

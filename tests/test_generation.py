@@ -7,6 +7,8 @@ are compared too). Every test runs on ``VLM_TEST_DEVICE`` in fp32 (tests/_device
 built and modified on the CPU, then moved; sampling is seeded with torch.manual_seed."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -353,4 +355,23 @@ def test_concept_caches_grow_when_more_concepts_arrive(tiny_model, make_decisive
     check_cached_equals_full(model, ids, am, 30)
     planned = -(-(20 + 30 + 1) // 16) + 2
     assert grown and grown[0][0] == planned, grown
-    assert any(new == 2 * old for old, new in grown), grown  # a decoding step found it full
+    assert any(new == generation.grown_capacity(old) for old, new in grown), grown  # a decoding step found it full
+
+
+def test_concept_cache_grows_in_small_steps():
+    """Issue 27 item 4: planned for 4,096 token positions at R = 2, a cache that receives the concepts
+    of R = 1.98 (a few more than planned) grows by a small step, not to twice its size: its
+    allocation stays under 0.6x of a token cache's; the held entries survive every growth."""
+    from vlm.modeling.generation import ConceptKVCache, concept_capacity, grown_capacity
+
+    tokens = 4096
+    cache = ConceptKVCache(1, 1, concept_capacity(tokens, 2.0), 2, torch.device("cpu"), torch.float32)
+    planned = cache.capacity
+    n = math.ceil(tokens / 1.98)
+    for i in range(n):
+        cache.step(torch.full((1, 1, 1, 2), float(i)), torch.full((1, 1, 1, 2), -float(i)))
+        cache.advance()
+    assert n > planned and int(cache.num_entries()[0]) == n
+    assert torch.equal(cache.k[0, 0, :n, 0], torch.arange(n, dtype=torch.float32))
+    assert cache.capacity == grown_capacity(planned) and cache.capacity / tokens < 0.6, cache.capacity
+    assert grown_capacity(16) == 32 and grown_capacity(1000) == 1000 + 64  # whole pages of 16 slots

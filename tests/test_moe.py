@@ -153,6 +153,61 @@ def test_all_padding_row_block():
     assert int(stats.tokens_per_expert.sum()) == 0
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_backward_keeps_two_top_k_buffers(padded):
+    """Issue 27 item 2: the sorted dispatch keeps two [N * K, D] tensors for the backward, the grouped
+    GEMM's input and the combine's unweighted expert outputs (no third for an ``index_add_`` source)."""
+    moe = make_moe()
+    N = 2 * 16
+    x = dev(torch.randn(2, 16, D)).requires_grad_()
+    valid = dev(torch.ones(2, 16, dtype=torch.bool))
+    valid[0, :3] = False
+    storages = set()
+
+    def pack(t):
+        if t.dim() == 2 and tuple(t.shape) == (N * moe.top_k, D) and t.is_floating_point():
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = moe(x, valid if padded else None)
+    assert len(storages) == 2, len(storages)
+    y.sum().backward()  # the saved graph still runs
+
+
+def test_training_batch_runs_gate_and_up_as_one_gemm(monkeypatch):
+    """Issue 27 item 3: with enough rows per expert the sorted dispatch runs two grouped GEMMs (fused
+    gate + up, then down), not three; the weights stay two stacks, the [E, D, 2I] concatenation is
+    not kept for the backward; outputs and every gradient equal the per-expert loop."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[1].shape) or grouped_mm(*a, **k))
+    sorted_moe, loop_moe = make_moe(8, "sorted"), make_moe(8, "loop")
+    loop_moe.load_state_dict(sorted_moe.state_dict())
+    E, I = sorted_moe.num_experts, sorted_moe.w_gate.shape[-1]
+    tokens = moe_mod.FUSED_MIN_ROWS_PER_EXPERT * E // sorted_moe.top_k + 3
+    assert {n for n, _ in sorted_moe.named_parameters() if n.startswith("w_")} == {"w_gate", "w_up", "w_down"}
+    x = dev(torch.randn(1, tokens, D))
+    wide = []
+
+    def pack(t):
+        if tuple(t.shape[-2:]) == (D, 2 * I):
+            wide.append(t.shape)
+        return t
+    outs = []
+    for moe in (sorted_moe, loop_moe):
+        xi = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, st = moe(xi)
+        if moe is sorted_moe:
+            assert [tuple(s[-1:]) for s in calls] == [(2 * I,), (D,)], calls  # gate+up, down
+        outs.append((y, torch.autograd.grad((y ** 2).sum() + st.lb_loss, [xi] + list(moe.parameters()))))
+    assert wide == []
+    (y1, g1), (y2, g2) = outs
+    torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
+
+
 def test_model_level_dispatch_equivalence(tiny_model):
     sorted_m = tiny_model("tiny")
     loop_m = tiny_model("tiny", moe_dispatch="loop")
@@ -165,12 +220,15 @@ def test_model_level_dispatch_equivalence(tiny_model):
 @pytest.mark.parametrize("sizes, tail", [([5, 0, 3, 9, 0, 1], 0), ([0, 0, 0, 0, 0, 18], 0),
                                          ([18, 0, 0, 0, 0, 0], 0), ([4, 2, 0, 7, 1, 0], 5), ([0] * 6, 4)],
                          ids=["mixed", "all-last", "all-first", "mixed+5-outside", "all-outside"])
-def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail):
+@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "fused"])
+def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, fused):
     """The device-offset grouped path (``torch._grouped_mm``; a C++ loop on the CPU) == the split loop
     over host-read segment sizes (the fallback where no grouped GEMM exists, one named host sync),
     fp32 forward and backward (input and the three expert stacks), empty segments included. ``tail``
     rows after the last segment belong to no expert (padding): unspecified outputs, compared on
-    the segments only, and they take no part in the weight gradients."""
+    the segments only, and they take no part in the weight gradients. ``fused``: gate and up as one
+    grouped GEMM (``FusedGateUp``, its own backward), the same figures."""
+    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else 10 ** 9)
     E, I = len(sizes), 24
     n = sum(sizes)
     g = torch.Generator().manual_seed(0)
@@ -219,11 +277,13 @@ def test_split_fallback_dispatch_equals_loop(monkeypatch):
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
 
 
-def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "fused"])
+def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch, fused):
     """``FlopCounterMode`` counts the grouped dispatch (our formula for ``torch._grouped_mm``) exactly
     as the split loop's plain matmuls, forward and forward + backward, padding (rows outside every
-    group) excluded."""
+    group) excluded; the same with gate and up fused into one GEMM."""
     from torch.utils.flop_counter import FlopCounterMode
+    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else 10 ** 9)
     moe = make_moe()
     x = dev(torch.randn(2, 9, D))
     valid = dev(torch.ones(2, 9, dtype=torch.bool))
@@ -282,7 +342,8 @@ def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
     xg, wg = x.clone().requires_grad_(), w_NK.clone().requires_grad_()
     xr, wr = x.float().requires_grad_(), w_NK.clone().requires_grad_()
     y_g, counts_g = moe_bf.experts_sorted(xg, wg, e_NK)
-    assert len(calls) == 3, "the bf16 CUDA dispatch did not take torch._grouped_mm"
+    fused = 2 * n_tokens >= moe_mod.FUSED_MIN_ROWS_PER_EXPERT * E  # gate + up as one GEMM
+    assert len(calls) == (2 if fused else 3), "the bf16 CUDA dispatch did not take torch._grouped_mm"
     y_r, counts_r = ref.experts_loop(xr, wr, e_NK)
     assert y_g.dtype == torch.bfloat16 and torch.equal(counts_g, counts_r)
     assert (counts_g == 0).any() if n_tokens == 3 else (counts_g > 0).all()

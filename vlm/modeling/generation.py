@@ -20,6 +20,7 @@ from vlm.modeling.conceptmoe import ConceptMoEModel
 
 
 CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
+CONCEPT_GROWTH = 16  # a full concept cache grows by 1 / CONCEPT_GROWTH of its capacity (whole headroom pages)
 
 
 def planned_ratio(cfg) -> float:
@@ -37,10 +38,20 @@ def concept_capacity(capacity: int, ratio: float) -> int:
     return math.ceil(capacity / ratio) + CONCEPT_HEADROOM
 
 
+def grown_capacity(capacity: int) -> int:
+    """The next size of a full concept cache: 1 / CONCEPT_GROWTH more, rounded up to whole pages of
+    CONCEPT_HEADROOM slots. Small steps, since an achieved R a little under the planned one overflows
+    the plan by a few slots only (doubling would allocate the token caches' size again); still
+    geometric, so the copies cost O(1) amortised per entry."""
+    page = max(1, CONCEPT_HEADROOM)
+    return capacity + max(1, math.ceil(capacity / CONCEPT_GROWTH / page)) * page
+
+
 class ConceptKVCache(KVCache):
     """A concept layer's ``KVCache``, allocated at ``concept_capacity`` and grown (reallocated larger,
     entries copied) when more concepts arrive than planned: to the prompt's concepts + headroom at the
-    prefill, doubled when a decoding step finds it full. The token caches keep their fixed capacity."""
+    prefill, by ``grown_capacity`` when a decoding step finds it full. The token caches keep their
+    fixed capacity."""
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` entries: the held ones copied, the new slots empty (invalid)."""
@@ -58,7 +69,7 @@ class ConceptKVCache(KVCache):
 
     def step(self, k_BH1D, v_BH1D):
         if int(self.len_B.max()) >= self.capacity:  # (KVCache.step reads the same number)
-            self.grow(2 * self.capacity)
+            self.grow(grown_capacity(self.capacity))
         return super().step(k_BH1D, v_BH1D)
 
 

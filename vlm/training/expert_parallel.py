@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from vlm.config.core import fail
-from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, sort_by_expert
+from vlm.modeling.moe import MoEFeedForward, combine, grouped_swiglu, sort_by_expert
 from vlm.modeling.syncs import host_sync
 
 EP_SPLIT_SYNC = "expert parallel: the all-to-all split sizes (the output shape of each exchange)"
@@ -135,14 +135,14 @@ class ExpertParallelMoE(_autoep_layer_class()):
         reverse exchange; the weighted sum per token is ``MoEFeedForward.experts_sorted``'s."""
         N, K = experts_NK.shape
         E, E_loc, P = self.num_experts, self.num_local_experts, self.ep_size
-        _, order, _, counts_E = sort_by_expert(experts_NK, E, keep_N)
+        _, order_NK, _, counts_E = sort_by_expert(experts_NK, E, keep_N)
         recv_PL = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_PL, counts_E, group=self.ep_group)  # counts per (source rank, local expert)
         recv_PL = recv_PL.view(P, E_loc)
         with host_sync(EP_SPLIT_SYNC):
             send, recv = torch.stack((counts_E.view(P, E_loc).sum(1), recv_PL.sum(1))).tolist()
         n_send, n_recv = sum(send), sum(recv)
-        order = order[:n_send]
+        order = order_NK[:n_send]
         token_idx = order // K
         x_recv = all_to_all_single_autograd(x_ND[token_idx], recv, send, self.ep_group)
         # received rows come by source rank, each source's rows by local expert: regroup by expert
@@ -154,10 +154,7 @@ class ExpertParallelMoE(_autoep_layer_class()):
         y_local = grouped_swiglu(x_recv[perm], offs, w.w1, w.w3, w.w2)
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local) if n_recv else y_local
         y_sent = all_to_all_single_autograd(y_recv, send, recv, self.ep_group)
-        y_sent = y_sent * weights_NK.reshape(-1)[order, None].to(y_sent.dtype)
-        out = x_ND.new_zeros(N, x_ND.shape[-1])
-        out.index_add_(0, token_idx, y_sent.to(out.dtype))
-        return out, counts_E
+        return combine(y_sent, order_NK, weights_NK).to(x_ND.dtype), counts_E
 
 
 def apply_expert_parallel(model: nn.Module, ep_size: int) -> int:
