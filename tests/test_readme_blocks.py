@@ -165,14 +165,18 @@ class _Parsed(Exception):
 
 
 def _check_cli(target: str, args: list[str]) -> str | None:
-    """Run a repo CLI up to its argument parsing; the argparse error, if any."""
-    original = argparse.ArgumentParser.parse_args
+    """Run a repo CLI up to its argument parsing (plain or intermixed); the argparse error, if any."""
+    P = argparse.ArgumentParser
+    originals = {name: getattr(P, name) for name in ("parse_args", "parse_intermixed_args")}
 
-    def parse_then_stop(self, *a, **k):
-        original(self, *a, **k)
-        raise _Parsed
+    def stopping(original):
+        def parse_then_stop(self, *a, **k):
+            original(self, *a, **k)
+            raise _Parsed
+        return parse_then_stop
 
-    argparse.ArgumentParser.parse_args = parse_then_stop
+    for name, original in originals.items():
+        setattr(P, name, stopping(original))
     saved_argv, err = sys.argv, io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -187,7 +191,8 @@ def _check_cli(target: str, args: list[str]) -> str | None:
     except SystemExit as exc:
         return f"exit {exc.code}: {err.getvalue().strip()[-300:]}"
     finally:
-        argparse.ArgumentParser.parse_args = original
+        for name, original in originals.items():
+            setattr(P, name, original)
         sys.argv = saved_argv
     return "the CLI never parsed its arguments"
 
