@@ -228,7 +228,7 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, fused):
     rows after the last segment belong to no expert (padding): unspecified outputs, compared on
     the segments only, and they take no part in the weight gradients. ``fused``: gate and up as one
     grouped GEMM (``FusedGateUp``, its own backward), the same figures."""
-    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else 10 ** 9)
+    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else None)
     E, I = len(sizes), 24
     n = sum(sizes)
     g = torch.Generator().manual_seed(0)
@@ -283,7 +283,7 @@ def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch, fused):
     as the split loop's plain matmuls, forward and forward + backward, padding (rows outside every
     group) excluded; the same with gate and up fused into one GEMM."""
     from torch.utils.flop_counter import FlopCounterMode
-    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else 10 ** 9)
+    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else None)
     moe = make_moe()
     x = dev(torch.randn(2, 9, D))
     valid = dev(torch.ones(2, 9, dtype=torch.bool))
@@ -342,7 +342,7 @@ def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
     xg, wg = x.clone().requires_grad_(), w_NK.clone().requires_grad_()
     xr, wr = x.float().requires_grad_(), w_NK.clone().requires_grad_()
     y_g, counts_g = moe_bf.experts_sorted(xg, wg, e_NK)
-    fused = 2 * n_tokens >= moe_mod.FUSED_MIN_ROWS_PER_EXPERT * E  # gate + up as one GEMM
+    fused = True  # a gradient flows (training): gate + up as one GEMM whatever the rows (moe.use_fused)
     assert len(calls) == (2 if fused else 3), "the bf16 CUDA dispatch did not take torch._grouped_mm"
     y_r, counts_r = ref.experts_loop(xr, wr, e_NK)
     assert y_g.dtype == torch.bfloat16 and torch.equal(counts_g, counts_r)

@@ -56,7 +56,18 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split needs the segment sizes"
 
 
-FUSED_MIN_ROWS_PER_EXPERT = 16  # gate and up as one GEMM from this many rows per expert on (see grouped_swiglu)
+FUSED_MIN_ROWS_PER_EXPERT = 16  # inference: gate and up as one GEMM from this many rows per expert on; None: never
+
+
+def use_fused(x_ND: torch.Tensor, w_gate_EDI: torch.Tensor) -> bool:
+    """Training (a gradient flows): always one gate+up GEMM, so a layer runs the same kernels whatever
+    its rows per expert (expert and data parallelism must compute the same update); inference: from
+    ``FUSED_MIN_ROWS_PER_EXPERT`` rows per expert on (decoding reads only the experts in use)."""
+    if FUSED_MIN_ROWS_PER_EXPERT is None:
+        return False
+    if torch.is_grad_enabled() and (x_ND.requires_grad or w_gate_EDI.requires_grad):
+        return True
+    return x_ND.shape[0] >= FUSED_MIN_ROWS_PER_EXPERT * w_gate_EDI.shape[0]
 
 
 class FusedGateUp(torch.autograd.Function):
@@ -87,11 +98,11 @@ def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_ED
     """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert): expert e takes
     rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device). Rows from offs[-1] on belong
     to no expert: their outputs are unspecified (uninitialised memory) and the caller masks them.
-    Gate and up run as one GEMM (``FusedGateUp``) from ``FUSED_MIN_ROWS_PER_EXPERT`` rows per expert
-    on: there one wider GEMM beats two (0.6x their time on CPU) and the per-call concatenation of the
-    weights costs little; below (decoding), the two plain GEMMs read only the experts in use."""
+    Gate and up run as one GEMM (``FusedGateUp``) in training and, at inference, from
+    ``FUSED_MIN_ROWS_PER_EXPERT`` rows per expert on (``use_fused``): one wider GEMM beats two (0.6x
+    their time on CPU); in decoding the two plain GEMMs read only the experts in use."""
     if GROUPED_MM and grouped_mm_ok(x_ND.device.type, x_ND.dtype):
-        if x_ND.shape[0] >= FUSED_MIN_ROWS_PER_EXPERT * w_gate_EDI.shape[0]:
+        if use_fused(x_ND, w_gate_EDI):
             gate_NI, up_NI = FusedGateUp.apply(x_ND, offs_E, w_gate_EDI, w_up_EDI).chunk(2, -1)
         else:
             gate_NI = torch._grouped_mm(x_ND, w_gate_EDI, offs=offs_E)
