@@ -155,7 +155,7 @@ write_summary
 
 # --- the CUDA test subset ----------------------------------------------------------------------
 if wants tests; then
-  mapfile -t TEST_FILES < <(grep -lE 'pytest\.mark\.device|pytestmark *=.*device' tests/test_*.py)
+  mapfile -t TEST_FILES < <("$PY" -m scripts.gpu.import_walk --device-tests)  # the kit test walks the same files
   step tests 170 env VLM_TEST_DEVICE="$TEST_DEVICE" "$PY" -m pytest -m device -q -p no:cacheprovider \
     -o addopts="" -r fEs --maxfail 25 --timeout 120 "${TEST_FILES[@]}"
 fi

@@ -7,7 +7,8 @@ modules are followed. What is left is the set of top-level third-party module na
 test (tests/test_gpu_kit.py) maps them to distributions and requires each to be on the GPU image
 or in the kit.
 
-    python -m scripts.gpu.import_walk           # one third-party module name a line
+    python -m scripts.gpu.import_walk                  # one third-party module name a line
+    python -m scripts.gpu.import_walk --device-tests   # the device-marked test files (gpu_check.sh)
 """
 from __future__ import annotations
 
@@ -104,5 +105,8 @@ def third_party_imports(entries: list[Path] | None = None) -> dict[str, set[str]
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--device-tests"]:
+        print("\n".join(str(p.relative_to(ROOT)) for p in device_test_files()))
+        sys.exit(0)
     for name, files in sorted(third_party_imports().items()):
         print(f"{name:20s} {', '.join(sorted(files)[:3])}{' ...' if len(files) > 3 else ''}")

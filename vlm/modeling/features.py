@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm.modeling import hf_features
+
 log = logging.getLogger("vlm.features")
 _logged: set[str] = set()
 
@@ -140,6 +142,5 @@ def report(device: torch.device) -> list[str]:
                      + ("grouped GEMM" if ok else "per-expert split"))
     lines.append("FlopCounterMode, grouped-query SDPA: " + ("torch's formula" if not sdpa_flop_formulas()
                                                              else "our forward formula (torch's refuses the shapes)"))
-    from vlm.modeling import hf_features
     lines += hf_features.report()
     return lines
