@@ -1,14 +1,17 @@
-"""The README's headline figures of the demo, rendered from the files a run writes, never typed by hand.
+"""The headline figures of README.md and docs/*.md, rendered from the files a run writes, never typed by hand.
 
     make train-vlm && make eval EVAL_ARGS="--name train-vlm"
     python scripts/readme_figures.py --publish runs/train-vlm --eval runs/eval/train-vlm [--commit SHA]
-    python scripts/readme_figures.py --check      # exit 1 when README.md differs from those files
+    python scripts/readme_figures.py --bench      # after make bench: the benchmark table from benchmarks/results/
+    python scripts/readme_figures.py --check      # exit 1 when a page differs from those files
 
 ``--publish`` copies the run's ``summary.json`` (written by ``make train-vlm``) and the eval's
 ``results.json`` (written by ``make eval``) unchanged into ``docs/results/train-vlm/``, with ``run.json``
 (the run's commit, whether this tree's code / configs differ from it, date, CPU count, the model's target
-R), then rewrites every README span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` from those
-files. ``--check`` (and tests/test_readme_figures.py) compares.
+R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
+docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
+(``prefill.json``, ``decode.json``: written by ``make bench``). ``--check`` (and
+tests/test_readme_figures.py) compares.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "train-vlm"
 README = ROOT / "README.md"
+BENCH = ROOT / "benchmarks" / "results"
 RUN_INPUTS = ("vlm", "data_pipelines", "vision_encoders", "configs", "Makefile", "pyproject.toml")
 SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.DOTALL)
 
@@ -57,11 +61,57 @@ def render_eval(results: dict) -> str:
             f"(`docs/results/train-vlm/results.json`)")
 
 
+def _spread(speedup: dict) -> str:
+    return (f"{speedup['median_of_ratios']:+.1%} [{speedup['ratio_q1'] * 100:+.1f}, "
+            f"{speedup['ratio_q3'] * 100:+.1f}]")
+
+
+def render_bench(prefill: dict, decode: dict) -> str:
+    """The README's result table: prefill and decode speedups per length, median [IQR] of per-round ratios."""
+    sizes = prefill["settings"]["sizes"]
+    by_len = {r["seq_len"]: r for r in prefill["results"]}
+    by_batch_len = {(r["batch"], r["kv_len"]): r for r in decode["results"]}
+    rows = [("prefill speedup, median [IQR]", [_spread(by_len[n]["speedup"]) for n in sizes]),
+            ("prefill, predicted by the accountant (causal map)",
+             [f"{by_len[n]['predicted_speedup_causal']:+.1%}" for n in sizes])]
+    rows += [(f"decode speedup per step, batch {b}, median [IQR]",
+              [_spread(by_batch_len[(b, n)]["speedup"]) for n in sizes]) for b in decode["batches"]]
+    head = [f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}" for n in sizes]
+    lines = ["| ConceptMoE vs matched MoE (fixed boundaries, R = 2) | " + " | ".join(head) + " |",
+             "| --- |" + " ---: |" * len(sizes)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    pm, dm = prefill["machine"], decode["machine"]
+    source = (f"{pm['cpu']}, {pm['usable_cores']} cores, {prefill['settings']['dtype']}, torch threads "
+              f"{prefill['settings']['threads']}; prefill {prefill['settings']['reps']} and decode "
+              f"{decode['settings']['reps']} interleaved rounds; commit {pm['git']} / {dm['git']}, load average "
+              f"{pm['load_average_1_5_15'][0]:.2f} / {dm['load_average_1_5_15'][0]:.2f} "
+              f"(`benchmarks/results/prefill.json`, `decode.json`).")
+    return "\n" + "\n".join(lines) + "\n\n" + source + "\n"
+
+
 def rendered(results_dir: Path = RESULTS) -> dict[str, str]:
+    """The demo run's figures (docs/results/train-vlm/)."""
     def load(name):
         return json.loads((results_dir / name).read_text(encoding="utf-8"))
 
     return {"train": render_train(load("summary.json"), load("run.json")), "eval": render_eval(load("results.json"))}
+
+
+def rendered_bench(bench_dir: Path = BENCH) -> dict[str, str]:
+    """The benchmark table's figures (benchmarks/results/, written by make bench)."""
+    def load(name):
+        return json.loads((bench_dir / name).read_text(encoding="utf-8"))
+
+    return {"bench": render_bench(load("prefill.json"), load("decode.json"))}
+
+
+def all_figures() -> dict[str, str]:
+    return {**rendered(), **rendered_bench()}
+
+
+def pages() -> list[Path]:
+    """README.md and the docs/ pages (not the run reports under docs/results/)."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def readme_spans(text: str) -> dict[str, str]:
@@ -73,11 +123,37 @@ def readme_spans(text: str) -> dict[str, str]:
     return spans
 
 
+def page_spans() -> dict[str, str]:
+    """Every page's spans; a KEY marked on two pages is an error."""
+    spans, where = {}, {}
+    for page in pages():
+        for key, text in readme_spans(page.read_text(encoding="utf-8")).items():
+            if key in spans:
+                raise ValueError(f"figures:{key} marked in {where[key]} and {page.relative_to(ROOT)}")
+            spans[key], where[key] = text, page.relative_to(ROOT)
+    return spans
+
+
 def rewrite(text: str, figures: dict[str, str]) -> str:
     missing = set(figures) - set(readme_spans(text))
     if missing:
         raise ValueError(f"README: no <!-- figures:{min(missing)} --> span")
     return SPAN.sub(lambda m: f"<!-- figures:{m.group(1)} -->{figures[m.group(1)]}<!-- /figures -->", text)
+
+
+def rewrite_pages(figures: dict[str, str]) -> list[Path]:
+    """Rewrite every span of every page; the pages that changed."""
+    missing = set(figures) - set(page_spans())
+    if missing:
+        raise ValueError(f"no page has a <!-- figures:{min(missing)} --> span")
+    changed = []
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        new = SPAN.sub(lambda m: f"<!-- figures:{m.group(1)} -->{figures[m.group(1)]}<!-- /figures -->", text)
+        if new != text:
+            page.write_text(new, encoding="utf-8")
+            changed.append(page)
+    return changed
 
 
 def publish(run_dir: Path, eval_dir: Path, commit: str = "HEAD", out: Path = RESULTS) -> None:
@@ -100,21 +176,26 @@ def main(argv=None) -> int:
     ap.add_argument("--publish", type=Path, help="a make train-vlm run folder (summary.json, hf/)")
     ap.add_argument("--eval", type=Path, help="a make eval run folder (results.json)")
     ap.add_argument("--commit", default="HEAD", help="the commit the run was made at (default: HEAD)")
-    ap.add_argument("--check", action="store_true", help="exit 1 when README.md differs from the files (the default)")
+    ap.add_argument("--bench", action="store_true", help="rewrite the spans from the committed files only "
+                                                         "(after make bench wrote benchmarks/results/)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page differs from the files (the default)")
     args = ap.parse_args(argv)
-    if bool(args.publish) != bool(args.eval) or (args.check and args.publish):
-        ap.error("give --publish RUN --eval EVAL, or --check")
+    if bool(args.publish) != bool(args.eval) or (args.check and (args.publish or args.bench)):
+        ap.error("give --publish RUN --eval EVAL, --bench, or --check")
     if args.publish:
         publish(args.publish, args.eval, args.commit)
-        README.write_text(rewrite(README.read_text(encoding="utf-8"), rendered()), encoding="utf-8")
-        print(f"[figures] {RESULTS.relative_to(ROOT)} <- {args.publish}, {args.eval}; README.md rewritten")
+    if args.publish or args.bench:
+        changed = rewrite_pages(all_figures())
+        print(f"[figures] {RESULTS.relative_to(ROOT)}, {BENCH.relative_to(ROOT)} -> "
+              f"{', '.join(str(p.relative_to(ROOT)) for p in changed) or 'no page changed'}")
         return 0
-    text = README.read_text(encoding="utf-8")
-    stale = [key for key, value in rendered().items() if readme_spans(text).get(key) != value]
+    spans = page_spans()
+    stale = [key for key, value in all_figures().items() if spans.get(key) != value]
     if stale:
-        print(f"error: README.md figures {stale} differ from docs/results/train-vlm/: run --publish", file=sys.stderr)
+        print(f"error: figures {stale} differ from docs/results/train-vlm/ or benchmarks/results/: run --publish "
+              f"or --bench", file=sys.stderr)
         return 1
-    print("[figures] README.md matches docs/results/train-vlm/")
+    print("[figures] README.md and docs/*.md match docs/results/train-vlm/ and benchmarks/results/")
     return 0
 
 

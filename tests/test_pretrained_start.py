@@ -1,4 +1,4 @@
-"""Starting from pretrained parts: the README's CPU flow (tiny stand-ins written by transformers and
+"""Starting from pretrained parts: the CPU flow of docs/pretrained.md (tiny stand-ins written by transformers and
 tokenizers -> vlm.convert R = 2 -> LLaVA stage 1 -> stage 2) run line by line; every LLM and ViT tensor
 after assembly equal to its source; an LM from a transformers folder keeping its logits; and the bad
 starts that must stop with one line (exit 2) instead of training random weights."""
@@ -30,8 +30,8 @@ STEP_OVERRIDES = {"llava_align": ["train.max_steps=6", "log.every_steps=3"],
 
 
 def readme_flow() -> list[str]:
-    """The command lines of the README's CPU flow (the bash block after the marker)."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """The command lines of the documented CPU flow (docs/pretrained.md: the bash block after the marker)."""
+    text = (REPO_ROOT / "docs" / "pretrained.md").read_text()
     block = text[text.index(README_MARK):].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip()]
 
@@ -60,7 +60,7 @@ def parts(tmp_path_factory):
 
 
 def test_readme_two_stage_flow_runs_as_written(tmp_path):
-    """The README's lines in a scratch folder (configs / data / scripts linked in), fewer steps."""
+    """The documented lines in a scratch folder (configs / data / scripts linked in), fewer steps."""
     for name in ("configs", "data", "scripts"):
         (tmp_path / name).symlink_to(REPO_ROOT / name)
     lines = readme_flow()

@@ -121,6 +121,37 @@ def test_no_example_writes_into_the_demo_run():
     assert not [where for where, name in names.items() if name == DEMO], names
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a page: lower case, punctuation dropped, spaces as hyphens."""
+    headings = [line.lstrip("#").strip() for line in path.read_text(encoding="utf-8").splitlines()
+                if re.match(r"^#{1,6} ", line)]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_page_is_linked_and_every_link_resolves():
+    """README.md links every docs/*.md page, and every relative link of README.md and docs/ names a file
+    or folder of the repository (and a heading of the page, for #anchors): a moved section leaves no
+    dead link."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    linked = {m.group(1).split("#")[0] for m in LINK.finditer(readme)}
+    unlinked = [p.name for p in sorted((REPO_ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in linked]
+    assert not unlinked, f"README.md does not link {unlinked}"
+    dead = []
+    for doc in DOCS:
+        for match in LINK.finditer(doc.read_text(encoding="utf-8")):
+            target = match.group(1)
+            if re.match(r"^[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
+                dead.append(f"{doc.relative_to(REPO_ROOT)}: {target}")
+    assert not dead, dead
+
+
 # ---------------------------------------------------------------- the scratch folder and the shims
 
 def _scratch(root: Path, mode: str) -> tuple[Path, dict]:

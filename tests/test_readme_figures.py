@@ -1,5 +1,6 @@
-"""The README's demo figures are the committed run files' (docs/results/train-vlm/, written by make train-vlm
-and make eval, copied by scripts/readme_figures.py --publish), not hand edits: any drift fails here."""
+"""The figures of README.md and docs/*.md are the committed run files' (docs/results/train-vlm/, written by
+make train-vlm and make eval, copied by scripts/readme_figures.py --publish; benchmarks/results/, written by
+make bench), not hand edits: any drift fails here."""
 from __future__ import annotations
 
 import copy
@@ -21,12 +22,13 @@ def _load(name: str) -> dict:
 
 
 def test_readme_figures_are_the_committed_runs():
-    spans = figures.readme_spans(figures.README.read_text(encoding="utf-8"))
-    expected = figures.rendered()
-    assert set(spans) == {"train", "eval"}
+    spans = figures.page_spans()
+    expected = figures.all_figures()
+    assert set(spans) == {"train", "eval", "bench"}
+    assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
-        assert spans[key] == text, f"README figures:{key} differ from docs/results/train-vlm/ " \
-                                   f"(python scripts/readme_figures.py --publish ...):\n  README: {spans[key]}\n  files:  {text}"
+        assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
+                                   f"(python scripts/readme_figures.py --publish ... / --bench):\n  page: {spans[key]}\n  files:  {text}"
     assert figures.main(["--check"]) == 0
 
 
@@ -70,3 +72,31 @@ def test_publish_copies_the_run_files_and_rewrites_the_spans(tmp_path):
     assert figures.readme_spans(new) == figures.rendered(out) and "target 3;" not in new and "target 3)" in new
     with pytest.raises(ValueError, match="no <!-- figures:eval"):
         figures.rewrite("<!-- figures:train -->x<!-- /figures -->", figures.rendered(out))
+
+
+def test_every_bench_figure_comes_from_the_files():
+    """Each cell of the result table moves with its field of prefill.json / decode.json."""
+    prefill, decode = (json.loads((figures.BENCH / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+    base = figures.render_bench(prefill, decode)
+    for doc, where, key, value, shown in [
+            (prefill, ("results", 3, "speedup"), "median_of_ratios", 0.987, "+98.7% ["),
+            (prefill, ("results", 3, "speedup"), "ratio_q3", 1.5, ", +150.0]"),
+            (prefill, ("results", 0), "predicted_speedup_causal", 0.456, "| +45.6% |"),
+            (decode, ("results", 9, "speedup"), "median_of_ratios", -0.321, "-32.1% ["),
+            (decode, ("machine",), "git", "abc1234", f"commit {prefill['machine']['git']} / abc1234")]:
+        changed = copy.deepcopy(doc)
+        target = changed
+        for step in where:
+            target = target[step]
+        target[key] = value
+        text = figures.render_bench(changed, decode) if doc is prefill else figures.render_bench(prefill, changed)
+        assert text != base and shown in text, (where, key, text)
+
+
+def test_a_span_marked_on_two_pages_is_refused(tmp_path, monkeypatch):
+    for name in ("a.md", "b.md"):
+        (tmp_path / name).write_text("<!-- figures:train -->x<!-- /figures -->\n")
+    monkeypatch.setattr(figures, "pages", lambda: [tmp_path / "a.md", tmp_path / "b.md"])
+    monkeypatch.setattr(figures, "ROOT", tmp_path)
+    with pytest.raises(ValueError, match="figures:train marked in a.md and b.md"):
+        figures.page_spans()
