@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 EVAL_DATA_STAMP := $(DATA_DIR)/eval/manifest.json
 
 # the default data + the parquet files of the local lmms-eval tasks (cmoe_digits_*), which the
-# README's direct `python -m lmms_eval ... --tasks cmoe_digits_vqa` command reads
+# direct `python -m lmms_eval ... --tasks cmoe_digits_vqa` command of docs/evaluation.md reads
 data: $(DATA_STAMP) $(EVAL_DATA_STAMP)
 
 # rebuilt when the generator changes (a folder built by an older generator lacks newer record fields)

@@ -1,5 +1,5 @@
 """Tiny stand-ins for a pretrained LLM and a pretrained ViT, written by the libraries themselves (random
-weights), for the CPU version of the "start from pretrained models" flow (README) and its test.
+weights), for the CPU version of the "start from pretrained models" flow (docs/pretrained.md) and its test.
 
     python scripts/tiny_pretrained.py --out runs/tiny_parts [--llm olmoe|qwen2|llama] [--vision siglip|clip]
 

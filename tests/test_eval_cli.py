@@ -71,7 +71,7 @@ def _samples(run_dir, task: str) -> list[dict]:
 
 
 def _mme_local_task(tasks_dir, data_dir) -> bool:
-    """README recipe B: lmms-eval's built-in MME task on a local parquet copy (here: 2 digit images
+    """eval_suites/README.md recipe B: lmms-eval's built-in MME task on a local parquet copy (here: 2 digit images
     as one MME question pair). False when the installed lmms-eval has no MME YAML."""
     import datasets
     import lmms_eval

@@ -4,7 +4,7 @@ run offline through the real ``python -m lmms_eval`` CLI on a tiny random checkp
 Each task's data is a few rows written here with the data set's real schema (columns, types,
 image encoding that the task's ``doc_to_visual`` / ``doc_to_text`` / ``process_results`` read;
 images drawn with PIL), put into a test ``HF_HOME`` datasets cache by ``eval_suites.stock_data``
-(the README recipe), so ``load_dataset("lmms-lab-encoder/MME")`` resolves offline to these rows.
+(the recipe of docs/evaluation.md), so ``load_dataset("lmms-lab-encoder/MME")`` resolves offline to these rows.
 
 Two CLI runs share the two CPU cores: ``python -m lmms_eval`` (simple interface) on seven
 generation tasks + one text-only ``multiple_choice`` MMLU subject (loglikelihood path), and

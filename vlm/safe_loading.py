@@ -31,8 +31,8 @@ def require_safetensors(folder, trust_pickle: bool = False) -> None:
     ``trust_remote_code=False``).
 
     DeepSpeed's own engine checkpoints (``*_model_states.pt``, ``*_optim_states.pt``, read on resume)
-    are files our trainer wrote itself: resuming trusts the run directory (see the README's Reliability
-    section); they are out of scope here.
+    are files our trainer wrote itself: resuming trusts the run directory (see docs/reliability.md,
+    Safe loading); they are out of scope here.
     """
     path = Path(folder)
     if path.is_file() and path.suffix in PICKLE_SUFFIXES and not trust_pickle:

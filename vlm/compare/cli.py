@@ -1,5 +1,5 @@
 """CLI of the controlled comparison: plain MoE vs ConceptMoE at equal activated FLOPs and total
-parameters, same data order and token budget; resumable per arm and seed (README "Compare").
+parameters, same data order and token budget; resumable per arm and seed (docs/evaluation.md).
 
     python -m vlm.compare --config configs/compare/cpu.yaml [--seeds N] [--out DIR] [key=value ...]
     python -m vlm.compare --config configs/compare/cpu.yaml --dry-run        # presets + FLOPs table only
