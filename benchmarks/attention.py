@@ -42,7 +42,7 @@ TARGET_T = 8 * 2048
 
 
 def build_layer(hidden: int, heads: int, kv_heads: int, device, dtype, seed: int = 0):
-    from vlm.config.model import AttentionConfig
+    from vlm.modeling.configuration_conceptmoe import AttentionConfig
     from vlm.modeling.attention import Attention
     torch.manual_seed(seed)
     cfg = AttentionConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,

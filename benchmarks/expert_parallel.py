@@ -176,7 +176,7 @@ def summarise(per_rank: list) -> dict:
 
 def accountant_rows() -> tuple[dict, list]:
     """The paper-size presets through ``vlm.flops.comm`` (computed, not timed)."""
-    from vlm.config import ConceptMoEConfig
+    from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
     from vlm.flops.accountant import _fmt
     from vlm.flops.comm import ep_summary
     cfgs = {n: ConceptMoEConfig.from_yaml(ROOT / "configs" / "model" / f"{n}.yaml") for n in PAPER}

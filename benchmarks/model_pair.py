@@ -42,7 +42,7 @@ def load_pair(spec: str, ratio: float = 2.0, strategy: str = "topk", seq_len: in
     """(baseline_cfg, concept_cfg, info). The ConceptMoE is solved by ``vlm.flops.solve_match``
     (FLOP- and parameter-matched to the baseline, 1 encoder and 1 decoder layer: the "1L" shape)
     unless ``spec`` names both configs. Both use ``boundary_mode`` (default fixed, see above)."""
-    from vlm.config import ConceptMoEConfig
+    from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
     path = resolve_pair(spec)
     concept_path = None
     if ":" in path:
@@ -92,7 +92,7 @@ def predicted_speedup(base, con, seq_len: int, ratio: float | None = None, causa
 
 
 def build_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0, train: bool = False):
-    from vlm.modeling.hf import ConceptMoEForCausalLM
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the device (a 1B+ model's CPU init takes long)
         model = ConceptMoEForCausalLM(cfg)

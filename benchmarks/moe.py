@@ -24,7 +24,7 @@ PORTABLE_HF = ("eager", "grouped_mm", "batched_mm")
 
 
 def build_ours(shape: dict, dispatch: str, device, dtype, seed: int = 0):
-    from vlm.config import MoEConfig
+    from vlm.modeling.configuration_conceptmoe import MoEConfig
     from vlm.modeling.moe import MoEFeedForward, init_moe_weights
     torch.manual_seed(seed)
     m = MoEFeedForward(shape["hidden"], MoEConfig(num_experts=shape["experts"], top_k=shape["top_k"],

@@ -127,7 +127,7 @@ def build_shakespeare(out: str) -> dict:
 
 # ----- tokenizer, readme, driver -----
 def build_tokenizer(out: str) -> dict:
-    from .tokenizer_files import train_bpe_tokenizer
+    from vlm.modeling.tokenizer_files import train_bpe_tokenizer
 
     with open(os.path.join(out, "shakespeare_train.txt"), encoding="utf-8") as f:
         text = f.read()

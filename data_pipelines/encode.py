@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .chat_template import ChatTokenizer, TokenizationMismatch
-from .common import Skip
+from vlm.modeling.chat_template import ChatTokenizer, TokenizationMismatch
+from vlm.modeling.chat_common import Skip
 
 
 class SampleEncoder:

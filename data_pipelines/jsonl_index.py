@@ -28,7 +28,7 @@ import uuid
 
 import numpy as np
 
-from .common import JSON_ERRORS
+from vlm.modeling.chat_common import JSON_ERRORS
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import os
 from torch.utils.data import Dataset
 
 from . import jsonl_index
-from .common import JSON_ERRORS, Skip, check_conversation, has_surrogates
-from .images import DEFAULT_MAX_PIXELS, load_image
+from vlm.modeling.chat_common import JSON_ERRORS, Skip, check_conversation, has_surrogates
+from vlm.modeling.image_transform import DEFAULT_MAX_PIXELS, load_image
 
 
 class LlavaJsonDataset(Dataset):

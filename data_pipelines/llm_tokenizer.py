@@ -12,9 +12,9 @@ special tokens; the model's own pad, eos and chat template are kept; only what i
 
 from __future__ import annotations
 
-from .chat_format import marker_token_id, stop_marker
-from .chat_template import CHAT_TEMPLATE
-from .common import (
+from vlm.modeling.chat_format import marker_token_id, stop_marker
+from vlm.modeling.chat_template import CHAT_TEMPLATE
+from vlm.modeling.chat_common import (
     ASSISTANT_TOKEN,
     END_TOKEN,
     EOS_TOKEN,

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .collate import PackingCollator, PadCollator
-from .common import Skip
+from vlm.modeling.chat_common import Skip
 from .encode import SampleEncoder
 from .sources import build_sources, load_data_config
 from .stream_source import MarkedCollate, StreamMark, StreamReader, restore_states

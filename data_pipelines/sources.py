@@ -8,8 +8,8 @@ import os
 
 import yaml
 
-from .common import DATASET_TYPES
-from .images import DEFAULT_MAX_PIXELS
+from vlm.modeling.chat_common import DATASET_TYPES
+from vlm.modeling.image_transform import DEFAULT_MAX_PIXELS
 from .llava_json import LlavaJsonDataset
 from .stream_source import WebDatasetSource
 from .text_corpus import TextCorpusDataset

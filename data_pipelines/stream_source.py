@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .images import DEFAULT_MAX_PIXELS
+from vlm.modeling.image_transform import DEFAULT_MAX_PIXELS
 from .webdataset_shards import WebDatasetShards
 
 log = logging.getLogger(__name__)

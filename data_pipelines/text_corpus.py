@@ -11,7 +11,7 @@ import os
 import numpy as np
 from torch.utils.data import Dataset
 
-from .common import JSON_ERRORS, Skip, has_surrogates
+from vlm.modeling.chat_common import JSON_ERRORS, Skip, has_surrogates
 
 
 def _utf8_boundary(data: bytes, pos: int) -> int:

@@ -16,8 +16,8 @@ import random
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .common import JSON_ERRORS, Skip, check_conversation, has_surrogates
-from .images import DEFAULT_MAX_PIXELS, load_image
+from vlm.modeling.chat_common import JSON_ERRORS, Skip, check_conversation, has_surrogates
+from vlm.modeling.image_transform import DEFAULT_MAX_PIXELS, load_image
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
 

@@ -45,9 +45,9 @@ def MANIFEST():
 # lmms-eval's abstract model base class; imported after MANIFEST on purpose (see its docstring)
 from lmms_eval.api.model import lmms  # noqa: E402
 
-from data_pipelines.chat_template import TokenizationMismatch  # noqa: E402
-from data_pipelines.collate import pad_token_lists  # noqa: E402
-from data_pipelines.common import IGNORE_INDEX  # noqa: E402
+from vlm.modeling.chat_template import TokenizationMismatch  # noqa: E402
+from vlm.modeling.padding import pad_token_lists  # noqa: E402
+from vlm.modeling.chat_common import IGNORE_INDEX  # noqa: E402
 from eval_suites.lmms_compat import apply_lmms_eval_compat  # noqa: E402
 from eval_suites.lmms_inputs import (  # noqa: E402
     as_bool,
@@ -97,8 +97,8 @@ class ConceptMoEVLMEval(lmms):
         self.is_simple = str(interface).strip().lower() == "simple"
 
         import vlm  # noqa: F401  (registers the Auto classes)
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-        from vlm.processing import ConceptMoEVLMProcessor
+        from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+        from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
         ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",) and v is not None}
         if ignored:

@@ -22,8 +22,8 @@ def load_language_model(checkpoint: str, dtype: str = "float32", device: str = "
     import torch
 
     import vlm  # noqa: F401  (registers the Auto classes)
-    from vlm.modeling.hf import ConceptMoEForCausalLM
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
     with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
         model_type = json.load(f).get("model_type")
@@ -48,7 +48,7 @@ def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> tuple[li
 
 
 def document_start_id(tokenizer) -> int:
-    from data_pipelines.common import EOS_TOKEN
+    from vlm.modeling.chat_common import EOS_TOKEN
 
     vocab = tokenizer.get_vocab()
     if EOS_TOKEN in vocab:

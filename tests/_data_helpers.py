@@ -19,7 +19,7 @@ TINY_CORPUS = [
 
 def tiny_tokenizer(out_dir: str, with_specials: bool = True, vocab_size: int = 400):
     """A byte-level BPE trained on a few lines (with or without our special tokens)."""
-    from data_pipelines.tokenizer_files import train_bpe_tokenizer
+    from vlm.modeling.tokenizer_files import train_bpe_tokenizer
 
     if with_specials:
         return train_bpe_tokenizer(TINY_CORPUS * 5, out_dir, vocab_size)

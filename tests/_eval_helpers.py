@@ -21,9 +21,9 @@ def build_tiny_vlm(tokenizer, seed: int = 0, preset: str | os.PathLike = TINY_VL
     """(model, processor): a seeded random tiny VLM in eval mode and its processor."""
     import torch
 
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-    from vlm.processing import ConceptMoEVLMProcessor
-    from vlm.config.vlm import ConceptMoEVLMConfig
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
+    from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
     config = ConceptMoEVLMConfig.from_yaml(preset, **tokenizer_token_ids(tokenizer))
     torch.manual_seed(seed)
@@ -85,8 +85,8 @@ def train_tiny_vlm(tokenizer, conversations, steps: int = 150, seed: int = 0, lr
     About 6 s for 30 short conversations on one CPU core."""
     import torch
 
-    from data_pipelines.collate import pad_token_lists
-    from data_pipelines.common import IGNORE_INDEX
+    from vlm.modeling.padding import pad_token_lists
+    from vlm.modeling.chat_common import IGNORE_INDEX
 
     model, processor = build_tiny_vlm(tokenizer, seed)
     chat = processor.chat_tokenizer

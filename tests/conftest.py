@@ -12,8 +12,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import vlm  # noqa: E402, F401  (registers the Auto classes)
-from vlm.config import ConceptMoEConfig  # noqa: E402
-from vlm.modeling.hf import ConceptMoEForCausalLM  # noqa: E402
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig  # noqa: E402
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM  # noqa: E402
 
 PRESETS = ROOT / "configs" / "model"
 

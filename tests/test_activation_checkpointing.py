@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
 from vlm.modeling.blocks import TransformerBlock
 from vlm.modeling.conceptmoe import ConceptMoEModel
-from vlm.modeling.hf import loss_only
+from vlm.modeling.modeling_conceptmoe import loss_only
 from vlm.training.checkpointing import apply_activation_checkpointing
 from vlm.training.compile import compile_blocks
 

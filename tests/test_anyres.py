@@ -16,10 +16,10 @@ from transformers.image_processing_utils import (
     select_best_resolution,
 )
 
-from data_pipelines.chat_template import ChatTokenizer
+from vlm.modeling.chat_template import ChatTokenizer
 from data_pipelines.collate import PadCollator, truncate_sample
 from data_pipelines.encode import SampleEncoder
-from data_pipelines.images import (
+from vlm.modeling.image_transform import (
     ANYRES_GRIDS,
     RESAMPLE_MODES,
     ImageTransform,
@@ -30,7 +30,7 @@ from data_pipelines.images import (
     to_rgb,
 )
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
-from vlm.processing import ConceptMoEVLMProcessor
+from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
 S, P = 16, 4  # tower side; image tokens per view in the processor / encoder tests
 MEAN, STD = [0.5, 0.4, 0.3], [0.25, 0.2, 0.3]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vlm.config import AttentionConfig
+from vlm.modeling.configuration_conceptmoe import AttentionConfig
 from vlm.modeling.attention import (Attention, KVCache, RMSNorm, apply_rope, causal_mask, rope_cos_sin)
 from vlm.modeling.varlen import DocLayout
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from vlm.modeling.hf import chunked_lm_loss, lm_loss_fn, loss_only
+from vlm.modeling.modeling_conceptmoe import chunked_lm_loss, lm_loss_fn, loss_only
 
 from conftest import build_model, left_padded
 from test_host_syncs import HostReads

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlm.config import ChunkingConfig
+from vlm.modeling.configuration_conceptmoe import ChunkingConfig
 from vlm.modeling.chunking import (IMAGE, TEXT, ChunkModule, boundary_prob, forced_boundaries,
                                    form_concepts_reference, ratio_loss, sharpen)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.flops import count_params
 from vlm.flops.__main__ import main
 from vlm.flops.comm import a2a_bytes_per_step, expert_memory_per_gpu, expert_params, zero3_gather_bytes
@@ -67,7 +67,7 @@ def test_concept_top_k_width_and_loops():
 
 
 def test_expert_params_match_the_model():
-    from vlm.modeling.hf import ConceptMoEForCausalLM
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
     for cfg in (_cfg("tiny"), _cfg("tiny_concept", concept_hidden_size=96), _cfg("tiny", first_k_dense=1)):
         with torch.device("meta"):
             model = ConceptMoEForCausalLM(cfg)

@@ -90,7 +90,7 @@ def test_committed_presets_fresh_and_matched(name, tmp_path):
 
 def test_config_errors_are_one_line(tmp_path):
     from vlm.compare.config import load_compare
-    from vlm.config import ConfigError
+    from vlm.modeling.config_base import ConfigError
 
     src = (ROOT / "configs" / "compare" / "smoke.yaml").read_text()
     bad = tmp_path / "bad.yaml"

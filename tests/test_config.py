@@ -1,10 +1,11 @@
-"""vlm/config/model.py: presets, sectioned/dotted overrides, one-line ConfigErrors naming the key."""
+"""vlm/modeling/configuration_conceptmoe.py: presets, sectioned/dotted overrides, one-line ConfigErrors naming the key."""
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from vlm.config import FIELD_OWNER, ConceptMoEConfig, ConfigError
+from vlm.modeling.configuration_conceptmoe import FIELD_OWNER, ConceptMoEConfig
+from vlm.modeling.config_base import ConfigError
 
 from conftest import PRESETS
 

@@ -1,5 +1,5 @@
-"""Config fuzz (hypothesis): every field of the model config (vlm/config/model.py), the VLM config
-(vlm/config/vlm.py) and the training config (vlm/config/train.py) given random INVALID
+"""Config fuzz (hypothesis): every field of the model config (vlm/modeling/configuration_conceptmoe.py), the VLM config
+(vlm/modeling/configuration_conceptmoe_vl.py) and the training config (vlm/config/train.py) given random INVALID
 values - wrong types, out of range (negative, zero where positive is required, NaN / +-inf /
 too-large-for-a-float numbers), unknown enum strings, wrong-length or wrong-content lists - fails
 with a ``ConfigError`` whose message is ONE line that names the field by its dotted path
@@ -37,15 +37,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fuzz import FUZZ, examples, report
-from vision_encoders import VISION_BACKBONES, ProjectorConfig, VisionEncoderConfig
-from vision_encoders.base import FEATURE_LAYERS, IMAGE_ASPECTS
-from vision_encoders.projector import PROJECTOR_KINDS, PROJECTOR_MERGES
-from vlm.config import AttentionConfig, ChunkingConfig, ConceptMoEConfig, ConfigError, MoEConfig, read_yaml
-from vlm.config.core import Section
-from vlm.config.model import field_key
+from vlm.modeling.vision_registry import VISION_BACKBONES
+from vlm.modeling.projector import ProjectorConfig
+from vlm.modeling.vision_base import VisionEncoderConfig
+from vlm.modeling.vision_base import FEATURE_LAYERS, IMAGE_ASPECTS
+from vlm.modeling.projector import PROJECTOR_KINDS, PROJECTOR_MERGES
+from vlm.modeling.configuration_conceptmoe import AttentionConfig, ChunkingConfig, ConceptMoEConfig, MoEConfig
+from vlm.modeling.config_base import ConfigError, read_yaml
+from vlm.modeling.config_base import Section
+from vlm.modeling.configuration_conceptmoe import field_key
 from vlm.config.train import PARTS, REPORT_TO, STAGES, ZERO_PRESETS, TrainConfig, load_train_config
-from vlm.config.vlm import TOKEN_FIELDS as _TOKEN_FIELDS
-from vlm.config.vlm import ConceptMoEVLMConfig
+from vlm.modeling.configuration_conceptmoe_vl import TOKEN_FIELDS as _TOKEN_FIELDS
+from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_YAML, VLM_YAML, TRAIN_YAML = (ROOT / "configs/model/tiny_concept.yaml", ROOT / "configs/model/vlm_tiny.yaml",

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from data_pipelines.chat_template import ChatTokenizer, TokenizationMismatch
-from data_pipelines.images import ImageTransform
+from vlm.modeling.chat_template import ChatTokenizer, TokenizationMismatch
+from vlm.modeling.image_transform import ImageTransform
 from data_pipelines.mixture import TooMuchBadData, build_loader
 from _data_helpers import digit_record, tiny_tokenizer, write_image
 

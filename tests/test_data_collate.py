@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data_pipelines.collate import PackingCollator, PadCollator, pad_token_lists, truncate_sample
-from data_pipelines.common import IGNORE_INDEX, Skip
+from data_pipelines.collate import PackingCollator, PadCollator, truncate_sample
+from vlm.modeling.padding import pad_token_lists
+from vlm.modeling.chat_common import IGNORE_INDEX, Skip
 
 PAD, IM_START, IMAGE, IM_END = 0, 3, 2, 4
 

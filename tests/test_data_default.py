@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from data_pipelines import default_data
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.common import IGNORE_INDEX, SPECIAL_TOKENS
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.chat_common import IGNORE_INDEX, SPECIAL_TOKENS
 from data_pipelines.llava_json import LlavaJsonDataset
 from _data_helpers import session_default_data
 

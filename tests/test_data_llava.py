@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from data_pipelines.chat_template import CHAT_TEMPLATE, ChatTokenizer
-from data_pipelines.common import IGNORE_INDEX, Skip
+from vlm.modeling.chat_template import CHAT_TEMPLATE, ChatTokenizer
+from vlm.modeling.chat_common import IGNORE_INDEX, Skip
 from data_pipelines.encode import SampleEncoder
-from data_pipelines.images import ImageTransform
+from vlm.modeling.image_transform import ImageTransform
 from data_pipelines.llava_json import LlavaJsonDataset
 from _data_helpers import digit_record, tiny_tokenizer, write_image, write_llava
 

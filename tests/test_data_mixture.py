@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.images import ImageTransform
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.image_transform import ImageTransform
 from data_pipelines.mixture import MixtureSchedule, RankBatchSampler, block_quotas, build_loader
 from _data_helpers import digit_record, session_default_data, tiny_tokenizer, write_image, write_llava
 

@@ -12,9 +12,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.common import Skip
-from data_pipelines.images import ImageTransform
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.chat_common import Skip
+from vlm.modeling.image_transform import ImageTransform
 from data_pipelines.llava_json import LlavaJsonDataset
 from data_pipelines.mixture import MixtureDataset, MixtureLoader, TooMuchBadData, build_loader
 from data_pipelines.stream_source import WebDatasetSource
@@ -197,7 +197,7 @@ def test_webdataset_loader_throughput(tmp_path, chat):
 
 def test_training_config_accepts_webdataset_entries(tmp_path):
     import _train_helpers as helpers
-    from vlm.config import ConfigError
+    from vlm.modeling.config_base import ConfigError
     from vlm.config.train import load_train_config
 
     entry = {"name": "w", "type": "webdataset", "path": "shards-{000..003}.tar", "caption_prompt": "What?"}

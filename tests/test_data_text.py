@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.common import IGNORE_INDEX, Skip
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.chat_common import IGNORE_INDEX, Skip
 from _data_helpers import tiny_tokenizer
 from data_pipelines.text_corpus import TextCorpusDataset
 

@@ -13,7 +13,7 @@ import _train_helpers as helpers
 import pytest
 from _data_helpers import tiny_tokenizer, write_image, write_llava
 
-from data_pipelines.common import Skip
+from vlm.modeling.chat_common import Skip
 
 MISSING = (9, 10, 11, 12)  # four missing images: one more than are printed per reason
 CORRUPT = 5

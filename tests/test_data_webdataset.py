@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from data_pipelines.common import Skip
+from vlm.modeling.chat_common import Skip
 from data_pipelines.webdataset_shards import WebDatasetShards, list_shards
 
 

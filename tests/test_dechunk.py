@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm.config import ChunkingConfig
+from vlm.modeling.configuration_conceptmoe import ChunkingConfig
 from vlm.modeling.chunking import IMAGE, TEXT, ChunkCarry, ChunkModule
 from vlm.modeling.dechunk import dechunk, ema_reference, ema_scan, read_index, ste
 

@@ -17,8 +17,8 @@ import yaml
 
 pytest.importorskip("lmms_eval")
 
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.common import IGNORE_INDEX
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.chat_common import IGNORE_INDEX
 from eval_suites import lmms_plugin
 from _eval_helpers import build_tiny_vlm, default_data_dir, train_tiny_vlm
 

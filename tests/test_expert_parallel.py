@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import _train_helpers as helpers
 from _eval_helpers import default_data_dir
-from vlm.config.core import ConfigError, read_yaml
+from vlm.modeling.config_base import ConfigError, read_yaml
 from vlm.config.train import REPO_ROOT
 
 STEPS = 10
@@ -134,7 +134,7 @@ def test_ep_refuses_zero3_and_indivisible_experts(tmp_path):
     from vlm.config.train import TrainConfig
     from vlm.training.expert_parallel import check_supported
     from vlm.modeling.moe import MoEFeedForward
-    from vlm.config import MoEConfig
+    from vlm.modeling.configuration_conceptmoe import MoEConfig
 
     cfg = TrainConfig(parallel={"expert_parallel_size": 4})
     model = torch.nn.ModuleList([MoEFeedForward(8, MoEConfig(num_experts=6, top_k=2, moe_intermediate_size=4))])
@@ -149,7 +149,7 @@ def test_dispatch_matches_the_unsharded_layer_in_one_process():
     counts, every gradient), and reads the host at its one named point only."""
     import copy
 
-    from vlm.config import MoEConfig
+    from vlm.modeling.configuration_conceptmoe import MoEConfig
     from vlm.modeling.moe import MoEFeedForward, init_moe_weights
     from vlm.modeling.syncs import counting
     from vlm.training.distributed import init_distributed

@@ -7,7 +7,7 @@ import logging
 
 import _train_helpers as helpers
 
-from vision_encoders.hub import weights_digest
+from vlm.modeling.vision_hub import weights_digest
 
 
 def _vision_lines(caplog) -> list[str]:
@@ -15,7 +15,7 @@ def _vision_lines(caplog) -> list[str]:
 
 
 def test_export_logs_the_trained_vision_weights_and_a_fresh_run_sets_it_aside(tmp_path, caplog, capsys):
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
     raw = helpers.config(tmp_path, base=helpers.TINY_VLM, name="run", train={"max_steps": 2},
                          checkpoint={"every_steps": 0, "export_hf": True})

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.flops.matching import config_to_sections, solve_match, write_yaml
 from vlm.flops import Arch, compare_table, count_params, flops_per_token, kv_bytes_per_token
 from vlm.flops.__main__ import main
-from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "model"
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from _fuzz import FUZZ, examples, report
-from data_pipelines.chat_template import ChatTokenizer
+from vlm.modeling.chat_template import ChatTokenizer
 from data_pipelines.collate import PadCollator
-from data_pipelines.common import SKIP_REASONS, Skip
+from vlm.modeling.chat_common import SKIP_REASONS, Skip
 from data_pipelines.encode import SampleEncoder
-from data_pipelines.images import ImageTransform, load_image
+from vlm.modeling.image_transform import ImageTransform, load_image
 from data_pipelines.mixture import build_loader
 from _data_helpers import tiny_tokenizer
 from data_pipelines.webdataset_shards import WebDatasetShards, has_end_marker

@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 from vlm.modeling.cache import ConceptCache, select_rows, state_tensors
 from vlm.modeling.hf_features import returned_cache
 from vlm.modeling.chunking import IMAGE, TEXT, ChunkCarry
-from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
 from _device import dev, require_test_device, tol  # noqa: E402, F401
 from conftest import randomise_joint  # noqa: E402
@@ -331,7 +331,7 @@ def test_vlm_is_a_generation_model_with_a_saved_generation_config(tmp_path):
     ids only) is saved as generation_config.json and loads back without the top_k warning."""
     from test_vlm_model import build
 
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as VLM
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration as VLM
 
     model = build()
     assert VLM.can_generate() and model.generation_config.top_k is None

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vlm.modeling.chunking import IMAGE, TEXT
-from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from vlm.modeling.moe import MoEFeedForward
 
 V = 2048

@@ -1,4 +1,4 @@
-"""vlm/modeling/hf.py: save/load through the Auto classes (safetensors only), losses, outputs."""
+"""vlm/modeling/modeling_conceptmoe.py: save/load through the Auto classes (safetensors only), losses, outputs."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import vlm  # noqa: F401  (registers the Auto classes)
-from vlm.config import ConceptMoEConfig
-from vlm.modeling.hf import ConceptMoEForCausalLM, lm_loss_fn
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, lm_loss_fn
 
 from _export import saved_equals_live
 from conftest import PRESETS

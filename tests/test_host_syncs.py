@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vlm.config import MoEConfig
+from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import syncs
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule, ratio_loss
 from vlm.modeling.conceptmoe import PAD_SYNC

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_pipelines import jsonl_index
-from data_pipelines.common import JSON_ERRORS, Skip
+from vlm.modeling.chat_common import JSON_ERRORS, Skip
 from data_pipelines.llava_json import LlavaJsonDataset
 from _data_helpers import digit_record, session_default_data, write_image, write_llava
 

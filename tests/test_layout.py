@@ -1,5 +1,6 @@
-"""House rules of the package code: no import cycle between project modules (every import counts,
-lazy ones too), each package importable first in a fresh interpreter, no package file over 400 lines."""
+"""House rules of the package code: no import cycle between project modules nor between packages (every
+import counts, lazy ones too), a flat self-contained model package, each package importable first in a fresh
+interpreter, no package file over 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -9,76 +10,66 @@ from pathlib import Path
 
 import pytest
 
+from scripts.import_graph import PACKAGES, find_cycles, module_graph, modules, package_graph
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("vlm", "vision_encoders", "data_pipelines", "eval_suites", "benchmarks")
 MAX_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
-    mods = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return mods
+    return modules(ROOT)
 
 
-def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Project modules that ``name`` imports (``from pkg import sub`` counts as importing ``pkg.sub``)."""
-    is_pkg = path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
-                base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-        else:
-            continue
-        out |= {t for t in targets if t in mods and t != name}
-    return out
-
-
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+# Package edges that close a cycle and that only a restructuring elsewhere removes: (importer, imported) -> why.
+# Empty: the package graph is a DAG.
+ALLOWED_PACKAGE_CYCLE_EDGES: dict[tuple[str, str], str] = {}
+MODEL_PACKAGE = "vlm.modeling"
 
 
 def test_no_import_cycles():
-    mods = _modules()
-    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    graph = module_graph(ROOT)
     assert sum(map(len, graph.values())) > 50  # the walk sees the real imports
     assert find_cycles(graph) == []
+
+
+def test_packages_form_a_dag():
+    """vlm.modeling, vlm.config, vlm.training, ..., vision_encoders, data_pipelines, eval_suites: no cycle
+    between packages, counting every import (function-local ones too)."""
+    packages = package_graph(module_graph(ROOT))
+    assert {"vlm.modeling", "vlm.training", "vision_encoders", "data_pipelines", "eval_suites"} <= set(packages)
+    graph = {pkg: {dst for dst in edges if (pkg, dst) not in ALLOWED_PACKAGE_CYCLE_EDGES}
+             for pkg, edges in packages.items()}
+    assert find_cycles(graph) == []
+
+
+def test_the_model_package_is_flat_and_self_contained():
+    """The model package (what an export carries as its code) imports nothing of ours outside itself, and only
+    with ``from .module import ...``: transformers' remote code follows those, within one folder."""
+    folder = ROOT / MODEL_PACKAGE.replace(".", "/")
+    assert not [p for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    outside = {(src, dst) for src, dsts in module_graph(ROOT).items() if src.startswith(MODEL_PACKAGE + ".")
+               for dst in dsts if not dst.startswith(MODEL_PACKAGE + ".")}
+    assert outside == set()
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and (node.module is None or (folder / f"{node.module}.py").is_file()), \
+                    (path.name, node.module)
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not {n.split(".")[0] for n in names} & set(PACKAGES), (path.name, names)
+
+
+def test_model_package_check_catches_an_import_from_outside(tmp_path):
+    """The graph sees a function-local import of ours (the rule above would fail on it)."""
+    (tmp_path / "vlm" / "modeling").mkdir(parents=True)
+    (tmp_path / "vlm" / "__init__.py").write_text("")
+    (tmp_path / "vlm" / "modeling" / "__init__.py").write_text("")
+    (tmp_path / "vlm" / "modeling" / "m.py").write_text("def f():\n    from vlm.training import x\n")
+    (tmp_path / "vlm" / "training.py").write_text("import vlm.modeling.m\n")
+    graph = module_graph(tmp_path)
+    assert graph["vlm.modeling.m"] == {"vlm.training"}
+    assert find_cycles({k: set(v) for k, v in package_graph(graph).items()}) == [["vlm.modeling", "vlm.training"]]
 
 
 def test_cycle_finder_finds_a_planted_cycle():

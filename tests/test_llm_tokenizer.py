@@ -9,12 +9,12 @@ import pytest
 from _data_helpers import TINY_CORPUS, session_default_data
 from transformers import AutoTokenizer
 
-from data_pipelines.chat_template import (
+from vlm.modeling.chat_template import (
     CHAT_TEMPLATE,
     ChatTokenizer,
     TokenizationMismatch,
 )
-from data_pipelines.common import IGNORE_INDEX
+from vlm.modeling.chat_common import IGNORE_INDEX
 from data_pipelines.llm_tokenizer import chat_stop_token, prepare_llm_tokenizer
 
 P = 3  # image tokens per image in these tests

@@ -14,7 +14,7 @@ import _train_helpers as helpers
 import pytest
 import torch
 
-from vlm.config import ConfigError
+from vlm.modeling.config_base import ConfigError
 
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "o_proj"]}
 
@@ -69,7 +69,7 @@ def test_only_adapters_and_stage_parts_train(lora_run):
 
 
 def test_merged_export_gives_the_adapter_logits(lora_run):
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
     tmp, trainer, _ = lora_run
     hf = tmp / "full" / "hf"

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.flops import flops_per_token
 from vlm.flops.training import Trains, region_flops
 from vlm.flops.training import train_flops_per_token as count_train_flops
-from vlm.modeling.hf import ConceptMoEForCausalLM
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from vlm.training.metrics import MfuMeter, WindowStats, doc_tokens_sq, summarize, train_flops_per_token
 from vlm.training.peak import resolve_peak
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlm.config import MoEConfig
+from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import moe as moe_mod
 from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, init_moe_weights
 from vlm.modeling.syncs import counting

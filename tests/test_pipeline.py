@@ -11,9 +11,9 @@ from PIL import Image
 from _data_helpers import tiny_tokenizer
 from _eval_helpers import make_tiny_checkpoint
 
-import vlm.processing  # noqa: F401 - registers the processor with AutoProcessor
-from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-from vlm.processing import ConceptMoEVLMProcessor
+import vlm.modeling.processing_conceptmoe_vl  # noqa: F401 - registers the processor with AutoProcessor
+from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
 QUESTION = "What digit is this?"
 

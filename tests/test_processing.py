@@ -8,12 +8,12 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from data_pipelines.chat_template import ChatTokenizer
-from data_pipelines.common import IGNORE_INDEX, SPECIAL_TOKENS
+from vlm.modeling.chat_template import ChatTokenizer
+from vlm.modeling.chat_common import IGNORE_INDEX, SPECIAL_TOKENS
 from _data_helpers import tiny_tokenizer
-from data_pipelines.tokenizer_files import sentencepiece_tokenizer_folder
+from vlm.modeling.tokenizer_files import sentencepiece_tokenizer_folder
 from _sentencepiece import train_sentencepiece
-from vlm.processing import ConceptMoEVLMProcessor
+from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
 CONV = [{"from": "human", "value": "<image>\nWhat digit is this?"}, {"from": "gpt", "value": "7"},
         {"from": "human", "value": "Is it even or odd?"}, {"from": "gpt", "value": "odd"}]
@@ -130,8 +130,9 @@ def test_chat_tokenizer_on_sentencepiece_tokenizer(sp_dir):
 
 def test_processor_uses_the_backbone_transform(tmp_path):
     """for_model takes the vision tower's own transform; saving and loading keeps it and its pixels."""
-    from data_pipelines.images import ImageTransform
-    from vision_encoders import VisionEncoderConfig, build_vision_encoder
+    from vlm.modeling.image_transform import ImageTransform
+    from vlm.modeling.vision_base import VisionEncoderConfig
+    from vlm.modeling.vision_registry import build_vision_encoder
 
     class Model:  # what for_model reads off a VLM
         num_image_tokens = 4
@@ -164,8 +165,8 @@ def picture(width, height, seed=0):
 def test_image_processor_pixels_are_the_transforms(aspect, tmp_path):
     from transformers import AutoImageProcessor
 
-    from data_pipelines.images import ImageTransform
-    from vlm.image_processing import ConceptMoEImageProcessor
+    from vlm.modeling.image_transform import ImageTransform
+    from vlm.modeling.image_processing_conceptmoe_vl import ConceptMoEImageProcessor
 
     settings = dict(image_size=16, image_mean=[0.1, 0.2, 0.3], image_std=[0.3, 0.2, 0.1], resample="bicubic",
                     image_aspect=aspect)
@@ -186,8 +187,8 @@ def test_auto_classes_and_saved_files(tmp_path):
 
     from transformers import AutoImageProcessor, AutoProcessor
 
-    from data_pipelines.chat_template import CHAT_TEMPLATE
-    from vlm.image_processing import ConceptMoEImageProcessor
+    from vlm.modeling.chat_template import CHAT_TEMPLATE
+    from vlm.modeling.image_processing_conceptmoe_vl import ConceptMoEImageProcessor
 
     tok = tiny_tokenizer(str(tmp_path / "tok"))
     processor = ConceptMoEVLMProcessor(tok, num_image_tokens=4, image_size=16, image_aspect="anyres")

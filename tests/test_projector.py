@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from vision_encoders import ProjectorConfig, build_projector
+from vlm.modeling.projector import ProjectorConfig, build_projector
 
 from _device import dev, require_test_device  # noqa: E402, F401
 
@@ -74,7 +74,7 @@ def test_pixel_shuffle_errors():
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"kind": "mlp3x"}, "projector.kind"), ({"merge": "3x3"}, "projector.merge")])
 def test_bad_config_values_name_the_field(kwargs, field):
-    from vlm.config.core import ConfigError, build
+    from vlm.modeling.config_base import ConfigError, build
 
     with pytest.raises(ValueError, match=field.split(".")[1]):  # direct construction: pydantic names the field
         ProjectorConfig(**kwargs)

@@ -230,7 +230,7 @@ def _check_cli(target: str, args: list[str]) -> str | None:
 
 def _check_train(args: list[str]) -> str | None:
     """vlm.train's own parsing, the config with its overrides, and the model config they build."""
-    from vlm.config import ConfigError
+    from vlm.modeling.config_base import ConfigError
     from vlm.config.train import load_train_config
     from vlm.train import parse_args
     from vlm.training.model_setup import build_model_config
@@ -269,7 +269,7 @@ def _check_command(record: dict) -> tuple[str | None, str]:
 def _check_yaml(block: Block) -> None:
     """A data.datasets list, or alternative vision: sections (one per line)."""
     from vlm.config.train import load_train_config
-    from vlm.config.vlm import ConceptMoEVLMConfig
+    from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
     top = [line for line in block.text.splitlines() if line and not line[0].isspace()]
     if top == ["datasets:"]:

@@ -13,7 +13,7 @@ import torch
 from _data_helpers import tiny_tokenizer
 from _eval_helpers import build_tiny_vlm
 
-from vlm.remote_code import PACKAGES, closure
+PACKAGES = ("vlm", "vision_encoders", "data_pipelines")
 
 BLOCKER = textwrap.dedent("""
     import importlib.abc, sys
@@ -40,9 +40,10 @@ def run_blocked(code: str, tmp_path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_bundle_has_only_relative_imports_of_our_code():
-    files = closure(["vlm.modeling.vlm_model", "vlm.config.vlm", "vlm.modeling.hf"])
-    assert "vlm_modeling_vlm_model.py" in files and not any(name.endswith("__init__.py") for name in files)
+def test_the_export_has_only_relative_imports_of_our_code(export):
+    _, _, out = export
+    files = {path.name: path.read_text() for path in out.glob("*.py")}
+    assert "modeling_conceptmoe_vl.py" in files and not any(name.endswith("__init__.py") for name in files)
     for name, text in files.items():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -66,9 +67,9 @@ def test_export_writes_auto_map_and_code(export):
     _, _, out = export
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"]["AutoModelForImageTextToText"] == \
-        "vlm_modeling_vlm_model.ConceptMoEVLMForConditionalGeneration"
-    assert config["auto_map"]["AutoConfig"] == "vlm_config_vlm.ConceptMoEVLMConfig"
-    assert (out / "vlm_modeling_vlm_model.py").is_file() and (out / "vlm_modeling_generation.py").is_file()
+        "modeling_conceptmoe_vl.ConceptMoEVLMForConditionalGeneration"
+    assert config["auto_map"]["AutoConfig"] == "configuration_conceptmoe_vl.ConceptMoEVLMConfig"
+    assert (out / "modeling_conceptmoe_vl.py").is_file() and (out / "generation.py").is_file()
 
 
 @torch.no_grad()
@@ -85,8 +86,8 @@ def test_model_loads_and_generates_without_our_packages(export, tmp_path):
         model.save_pretrained({str(tmp_path / "again")!r})  # saving remote code writes the same code again
         print(json.dumps({{"module": type(model).__module__, "tokens": new}}))
     """, tmp_path)
-    assert (tmp_path / "again" / "vlm_modeling_vlm_model.py").read_text() == \
-        (out / "vlm_modeling_vlm_model.py").read_text()
+    assert (tmp_path / "again" / "modeling_conceptmoe_vl.py").read_text() == \
+        (out / "modeling_conceptmoe_vl.py").read_text()
     assert result["module"].startswith("transformers_modules.") and result["tokens"] == ours
 
 
@@ -116,3 +117,13 @@ def test_processor_and_model_answer_an_image_question_without_our_packages(expor
     """, tmp_path)
     assert result["processor"].startswith("transformers_modules.")
     assert result["ids"] == inputs["input_ids"][0].tolist() and result["tokens"] == ours.tolist()
+
+
+def test_export_loads_without_the_optional_tower_libraries(export):
+    """transformers' check_imports needs every library a file imports outside try blocks: timm and open_clip
+    are needed only by the towers that use them (an export with a transformers tower loads without them)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    _, _, out = export
+    needed = {name for path in out.glob("*.py") for name in get_imports(path)}
+    assert "torch" in needed and not needed & {"timm", "open_clip"}, sorted(needed)

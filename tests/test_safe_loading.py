@@ -28,7 +28,13 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 from vlm.convert import main as convert_main
 from _ckpt import FakeEngine
 from _ckpt import save as save_checkpoint
-from vlm.safe_loading import NotJSONError, UnsafeCheckpoint, load_state_dict_checked, read_json, require_safetensors
+from vlm.modeling.safe_loading import (
+    NotJSONError,
+    UnsafeCheckpoint,
+    load_state_dict_checked,
+    read_json,
+    require_safetensors,
+)
 from vlm.training import checkpoint as ck
 
 
@@ -164,7 +170,7 @@ def test_trust_pickle_lifts_exactly_our_refusal(pickle_only_checkpoint, monkeypa
 @pytest.fixture(scope="module")
 def processor_dir(tmp_path_factory):
     from _data_helpers import tiny_tokenizer
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     root = tmp_path_factory.mktemp("proc")
     processor = ConceptMoEVLMProcessor(tiny_tokenizer(str(root / "tok")), num_image_tokens=4, image_size=16)
@@ -182,7 +188,7 @@ def _copy(src, dst):
                                   "special_tokens_map.json"])
 @pytest.mark.parametrize("protocol", [0, pickle.HIGHEST_PROTOCOL])
 def test_processor_files_replaced_by_pickles(processor_dir, tmp_path, marker, name, protocol):
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     folder = _copy(processor_dir, tmp_path / "p")
     plant(folder / name, marker, protocol)
@@ -192,7 +198,7 @@ def test_processor_files_replaced_by_pickles(processor_dir, tmp_path, marker, na
 
 
 def test_processor_ignores_pickles_next_to_its_files(processor_dir, tmp_path, marker):
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     folder = _copy(processor_dir, tmp_path / "p")
     for name in ("tokenizer.pkl", "processor.pkl", "preprocessor.bin", "training_args.bin", "vocab.pkl",
@@ -204,7 +210,7 @@ def test_processor_ignores_pickles_next_to_its_files(processor_dir, tmp_path, ma
 
 
 def test_processor_does_not_run_tokenizer_remote_code(processor_dir, tmp_path, marker):
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     folder = _copy(processor_dir, tmp_path / "p")
     config = json.loads((folder / "tokenizer_config.json").read_text())

@@ -145,7 +145,7 @@ def test_two_process_zero3_moe_vlm(tmp_path):
     load = recs[-1]["expert_load"]
     assert len(load) == 4 and all(abs(sum(row) - 1) < 1e-3 for row in load)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "z3" / "ckpt")] == ["step_000002", "step_000003"]
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
     model = ConceptMoEVLMForConditionalGeneration.from_pretrained(str(tmp_path / "z3" / "hf"))
     assert model.config.text_config.top_k == 1
@@ -156,9 +156,9 @@ def test_two_process_zero3_moe_vlm(tmp_path):
 def test_vlm_default_data_export_and_vqa(tmp_path):
     """The real loader + processor: a few steps, HF export (model + processor) that from_pretrained
     loads, the held-out VQA scorer and the summary table."""
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-    from vlm.config.core import read_yaml
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.config_base import read_yaml
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     raw = read_yaml(ROOT / "configs" / "train" / "default.yaml")
     raw = helpers.config(tmp_path, base=raw, name="vlm", train={"max_steps": 3, "micro_batch_size": 8},

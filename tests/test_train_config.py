@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm.config import ConfigError
+from vlm.modeling.config_base import ConfigError
 from vlm.training.distributed import build_ds_config
 from vlm.config.train import load_train_config
 

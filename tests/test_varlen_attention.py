@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm.config import AttentionConfig
+from vlm.modeling.configuration_conceptmoe import AttentionConfig
 from vlm.modeling import attention, varlen
 from vlm.modeling.attention import Attention, attention_mask, causal_mask, rope_cos_sin
 from vlm.modeling.varlen import DocLayout

@@ -18,12 +18,13 @@ from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torchvision import transforms
 
-from data_pipelines.images import ImageTransform, to_rgb
-from vision_encoders import VISION_BACKBONES, VisionEncoderConfig, build_vision_encoder, register_vision_backbone
-from vision_encoders.hub import weights_digest
-from vision_encoders.open_clip_vit import OpenClipViTEncoder
-from vision_encoders.timm_vit import TimmViTEncoder
-from vlm.config.core import ConfigError
+from vlm.modeling.image_transform import ImageTransform, to_rgb
+from vlm.modeling.vision_registry import VISION_BACKBONES, build_vision_encoder, register_vision_backbone
+from vlm.modeling.vision_base import VisionEncoderConfig
+from vlm.modeling.vision_hub import weights_digest
+from vlm.modeling.vision_open_clip import OpenClipViTEncoder
+from vlm.modeling.vision_timm import TimmViTEncoder
+from vlm.modeling.config_base import ConfigError
 
 TINY_TIMM_NAME = "vit_tiny_patch16_224"
 TINY_TIMM_KWARGS = {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
@@ -107,7 +108,7 @@ def test_transform_normalizes_with_backbone_stats():
 
 
 # (backbone, image) -> float64 sum of the pixel values the preprocessing produced before this API
-# (data_pipelines.images.ImageTransform configured from the encoder by the trainer).
+# (vlm.modeling.image_transform.ImageTransform configured from the encoder by the trainer).
 GOLDEN_PIXEL_SUMS = {
     ("tiny", "digit"): -316.8470513820648, ("tiny", "pattern"): 360.6274744272232,
     ("clip", "digit"): -445.9676038266625, ("clip", "pattern"): 814.8372442852706,
@@ -239,7 +240,7 @@ def test_missing_weights_file_names_the_path(tmp_path):
     ],
 )
 def test_bad_config_values_name_the_field(kwargs, field):
-    from vlm.config.core import ConfigError, build
+    from vlm.modeling.config_base import ConfigError, build
 
     with pytest.raises(ValueError, match=field.split(".")[1]):  # direct construction: pydantic names the field
         VisionEncoderConfig(**{"backbone": "tiny-vit", **kwargs})

@@ -21,9 +21,10 @@ from open_clip.push_to_hf_hub import save_config_for_hf
 from safetensors.torch import load_file, save_file
 from timm.models._hub import save_for_hf as timm_save_for_hf
 
-from vision_encoders import VisionEncoderConfig, build_vision_encoder
-from vision_encoders.hub import weights_digest
-from vlm.config.core import ConfigError
+from vlm.modeling.vision_base import VisionEncoderConfig
+from vlm.modeling.vision_registry import build_vision_encoder
+from vlm.modeling.vision_hub import weights_digest
+from vlm.modeling.config_base import ConfigError
 
 TINY_TIMM_KWARGS = {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
 TINY_CLIP_CONFIG = {

@@ -5,7 +5,7 @@ from PIL import Image
 
 from _data_helpers import tiny_tokenizer, write_image
 from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
-from vlm.processing import ConceptMoEVLMProcessor
+from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 from vlm.visualize import PALETTE, concept_ids, draw, main
 
 

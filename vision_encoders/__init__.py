@@ -7,9 +7,9 @@ cache, one log line per load), their image transform, and the projector.
     tokens_BQd = projector(encoder(torch.stack([transform(im) for im in images])))
 """
 
-from vision_encoders.base import VisionEncoder, VisionEncoderConfig
-from vision_encoders.projector import Projector, ProjectorConfig, build_projector
-from vision_encoders.registry import VISION_BACKBONES, build_vision_encoder, register_vision_backbone
+from vlm.modeling.vision_base import VisionEncoder, VisionEncoderConfig
+from vlm.modeling.projector import Projector, ProjectorConfig, build_projector
+from vlm.modeling.vision_registry import VISION_BACKBONES, build_vision_encoder, register_vision_backbone
 
 __all__ = [
     "VISION_BACKBONES",

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.flops.matching import solve_match
 from vlm.hf_import import hf_family, import_hf
-from vlm.modeling.hf import ConceptMoEForCausalLM
-from vlm.safe_loading import require_safetensors
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+from vlm.modeling.safe_loading import require_safetensors
 
 CHUNKER_KEYS = ("chunker.", "q_c_proj", "k_c_proj", "v_c_proj", "concept_in", "concept_out")
 
@@ -112,7 +112,7 @@ def convert(src: Path, dst: Path, ratio: float | None, strategy: str, encoder_la
         model = ConceptMoEForCausalLM(converted_text_config(base.config, ratio, strategy, encoder_layers,
                                                             decoder_layers, joint_decoding_layers))
     elif kind == "conceptmoe_vlm":
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+        from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
         base = _load_base(ConceptMoEVLMForConditionalGeneration, src)
         new_text = converted_text_config(base.config.text_config, ratio, strategy, encoder_layers, decoder_layers,
                                          joint_decoding_layers)

@@ -60,8 +60,8 @@ def _quiet_imports() -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     _quiet_imports()
-    from vlm.config import ConfigError
-    from vlm.safe_loading import NotJSONError
+    from vlm.modeling.config_base import ConfigError
+    from vlm.modeling.safe_loading import NotJSONError
     from vlm.training.checkpoint import (
         CheckpointWriteError,
         ResumeError,

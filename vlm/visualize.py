@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", required=True, help="user text; '<image>' placeholders are added if missing")
     ap.add_argument("--out", required=True, help="output PNG")
     args = ap.parse_args(argv)
-    from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
     try:
         images = [Image.open(p).convert("RGB") for p in args.image]
     except OSError as err:

@@ -18,7 +18,7 @@ from vlm.compare.config import REPO_ROOT, CompareError, load_compare, rel, repo_
 from vlm.compare.jobs import make_jobs, out_dir, run_job, run_jobs
 from vlm.compare.presets import build_presets, seq_len_of
 from vlm.compare.report import write_report
-from vlm.config.core import ConfigError
+from vlm.modeling.config_base import ConfigError
 
 
 # --- CLI ---------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from vlm.config.core import ConfigError, NonNegInt, Num, PosInt, Section, Text, check, deep_merge
-from vlm.config.core import apply_overrides, build, load_yaml, read_yaml
+from vlm.modeling.config_base import ConfigError, NonNegInt, Num, PosInt, Section, Text, check, deep_merge
+from vlm.modeling.config_base import apply_overrides, build, load_yaml, read_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "model" / "compare"  # generated presets, one folder

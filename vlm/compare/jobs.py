@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from vlm.compare.config import REPO_ROOT, rel, repo_path
-from vlm.config.core import deep_merge
+from vlm.modeling.config_base import deep_merge
 
 
 # --- jobs --------------------------------------------------------------------------------------

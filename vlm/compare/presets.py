@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm.compare.config import PRESET_DIR, CompareError, rel, repo_path
-from vlm.config import ConceptMoEConfig
-from vlm.config.core import deep_merge, load_yaml
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+from vlm.modeling.config_base import deep_merge, load_yaml
 from vlm.flops import describe, solve_match, solve_report, write_yaml
 from vlm.flops.matching import flow_yaml
 

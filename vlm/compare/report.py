@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from vlm.compare.config import rel
-from vlm.config.vlm import ConceptMoEVLMConfig
+from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 from vlm.flops import count_params, describe, flops_per_token
 
 FLOP_TOL, PARAM_TOL = 0.03, 0.01

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, PrivateAttr, model_validator
 
-from data_pipelines.common import DATASET_TYPES
-from vlm.config.core import NonNegInt, Num, PosInt, Section, Text, apply_overrides, build, check
-from vlm.config.core import deep_merge, flatten, read_yaml, unflatten
+from vlm.modeling.chat_common import DATASET_TYPES
+from vlm.modeling.config_base import NonNegInt, Num, PosInt, Section, Text, apply_overrides, build, check
+from vlm.modeling.config_base import deep_merge, flatten, read_yaml, unflatten
 
 PARTS = ("vision", "projector", "chunker", "lm")
 STAGES = ("align", "finetune", "full")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.flops.accountant import compare_table, single_table
 from vlm.flops.comm import ep_table
 from vlm.flops.matching import solve_match, solve_report, write_yaml

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from vlm.config import ChunkingConfig, ConceptMoEConfig, LayoutConfig
-from vlm.config.model import SECTIONS
+from vlm.modeling.configuration_conceptmoe import ChunkingConfig, ConceptMoEConfig, LayoutConfig
+from vlm.modeling.configuration_conceptmoe import SECTIONS
 from vlm.flops.accountant import Arch, count_params, flops_per_token
 
 TIGHT = (0.005, 0.015)  # params, FLOPs: preferred

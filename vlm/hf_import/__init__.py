@@ -10,8 +10,8 @@ from pathlib import Path
 
 from vlm.hf_import.configs import FAMILIES, imported_config
 from vlm.hf_import.weights import map_weights, read_safetensors
-from vlm.modeling.hf import ConceptMoEForCausalLM
-from vlm.safe_loading import load_state_dict_checked, require_safetensors
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+from vlm.modeling.safe_loading import load_state_dict_checked, require_safetensors
 
 
 def hf_family(src: Path) -> str | None:

@@ -13,7 +13,7 @@ Dense families (Llama, Mistral, Qwen2, Qwen3) become ``first_k_dense = num_hidde
 """
 from __future__ import annotations
 
-from vlm.config import ConceptMoEConfig
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")

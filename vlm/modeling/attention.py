@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlm.config import AttentionConfig
-from vlm.modeling.varlen import DocLayout, doc_attention
+from .configuration_conceptmoe import AttentionConfig
+from .varlen import DocLayout, doc_attention
 
 IMPL = "varlen"  # "varlen": DocLayout for packed / padded rows | "dense": the T x T reference mask
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from vlm.config import AttentionConfig, MoEConfig
-from vlm.modeling.attention import Attention, KVCache, RMSNorm
-from vlm.modeling.moe import MoEFeedForward, MoEStats, SwiGLU
+from .configuration_conceptmoe import AttentionConfig, MoEConfig
+from .attention import Attention, KVCache, RMSNorm
+from .moe import MoEFeedForward, MoEStats, SwiGLU
 
 REENTRANT = ("TransformerBlock: reentrant checkpointing (use_reentrant=True or unset) detaches the MoE aux losses "
              "(not tensor outputs); pass use_reentrant=False")

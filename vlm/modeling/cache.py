@@ -15,8 +15,8 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache
 
-from vlm.modeling.attention import KVCache
-from vlm.modeling.generation import DecodeState
+from .attention import KVCache
+from .generation import DecodeState
 
 
 def _select(value, index_B: torch.Tensor):

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlm.modeling.dechunk import ema_scan, ema_step
-from vlm.modeling.syncs import host_sync
+from .dechunk import ema_scan, ema_step
+from .syncs import host_sync
 
 IMAGE, TEXT = 1, 0  # modality ids
 

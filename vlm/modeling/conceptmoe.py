@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from vlm.config import ConceptMoEConfig
-from vlm.modeling import attention
-from vlm.modeling.attention import RMSNorm, rope_cos_sin
-from vlm.modeling.blocks import TransformerBlock
-from vlm.modeling.chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
-from vlm.modeling.dechunk import dechunk
-from vlm.modeling.syncs import host_sync
+from .configuration_conceptmoe import ConceptMoEConfig
+from . import attention
+from .attention import RMSNorm, rope_cos_sin
+from .blocks import TransformerBlock
+from .chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
+from .dechunk import dechunk
+from .syncs import host_sync
 
 PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
             "layout); packed rows skip it, their layout covers the padding")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm.modeling import hf_features
+from . import hf_features
 
 log = logging.getLogger("vlm.features")
 _logged: set[str] = set()

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm.modeling.attention import KVCache
-from vlm.modeling.chunking import TEXT, ChunkCarry
-from vlm.modeling.conceptmoe import ConceptMoEModel
+from .attention import KVCache
+from .chunking import TEXT, ChunkCarry
+from .conceptmoe import ConceptMoEModel
 
 
 CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)

@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import flop_counter
 
-from vlm.config import MoEConfig
-from vlm.modeling.features import grouped_mm_ok
-from vlm.modeling.syncs import host_sync
+from .configuration_conceptmoe import MoEConfig
+from .features import grouped_mm_ok
+from .syncs import host_sync
 
 
 @dataclass

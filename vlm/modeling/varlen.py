@@ -34,9 +34,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from vlm.modeling.doc_sdpa import DocSDPA
-from vlm.modeling.features import varlen_api, varlen_call
-from vlm.modeling.syncs import host_sync
+from .doc_sdpa import DocSDPA
+from .features import varlen_api, varlen_call
+from .syncs import host_sync
 
 LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest document and the "
                "length buckets are the attention kernels' shapes); once per stack and forward")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from vlm.config.core import deep_merge
+from vlm.modeling.config_base import deep_merge
 from vlm.config.train import REPO_ROOT
 
 # torch.distributed / launcher variables a run in this process may have set, and the fault plan

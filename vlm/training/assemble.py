@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from vlm.config.core import ConfigError, fail
-from vlm.config.model import FIELD_OWNER, ConceptMoEConfig
-from vlm.safe_loading import load_state_dict_checked, read_json, require_safetensors
+from vlm.modeling.config_base import ConfigError, fail
+from vlm.modeling.configuration_conceptmoe import FIELD_OWNER, ConceptMoEConfig
+from vlm.modeling.safe_loading import load_state_dict_checked, read_json, require_safetensors
 
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 OWN_TYPES = {"lm": "conceptmoe", "vlm": "conceptmoe_vlm"}
@@ -111,7 +111,7 @@ def shape_mismatches(source: dict, expected: dict) -> list[str]:
 
 def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, say) -> None:
     """Copy ``llm`` into the model's language model (strict); one log line."""
-    from vision_encoders.hub import weights_digest
+    from vlm.modeling.vision_hub import weights_digest
 
     target = getattr(model, "language_model", model)
     vocab = target.config.vocab_size
@@ -130,7 +130,7 @@ def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, s
 
 def log_new_parts(model, say) -> None:
     """One line for each part that starts from random weights (the projector of a new VLM)."""
-    from vision_encoders.hub import weights_digest
+    from vlm.modeling.vision_hub import weights_digest
 
     if hasattr(model, "projector"):
         count, digest = weights_digest(model.projector)
@@ -154,7 +154,7 @@ def check_init_from_type(path: Path, kind: str) -> None:
 
 
 def log_init_from(model, path: Path, say) -> None:
-    from vision_encoders.hub import weights_digest
+    from vlm.modeling.vision_hub import weights_digest
 
     parts = [(name, getattr(model, name)) for name in ("vision", "projector", "language_model") if hasattr(model, name)]
     for name, module in parts or [("language model", model)]:

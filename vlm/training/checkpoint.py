@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlm.safe_loading import read_json
+from vlm.modeling.safe_loading import read_json
 from vlm.training.fault_injection import NO_FAULTS, Faults
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.config import ConfigError
+from vlm.modeling.config_base import ConfigError
 from vlm.config.train import DATA_LOADER_KEYS, TrainConfig
 
 IGNORE_INDEX = -100
@@ -94,7 +94,7 @@ def build_loader(cfg: TrainConfig, model, model_config, tokenizer, processor, ra
                                cfg.seed, pad_id=tc.pad_token_id or 0, image=image)
     if tokenizer is None:
         raise ConfigError("config error: model.tokenizer: data.kind 'mixture' needs a tokenizer folder")
-    from data_pipelines.chat_template import ChatTokenizer
+    from vlm.modeling.chat_template import ChatTokenizer
     from data_pipelines.mixture import build_loader as build_mixture
 
     if processor is not None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from vlm.config.core import fail
+from vlm.modeling.config_base import fail
 from vlm.modeling.moe import MoEFeedForward, combine, grouped_swiglu, sort_by_expert
 from vlm.modeling.syncs import host_sync
 

@@ -36,7 +36,7 @@ def _eval_model(ctx: RunContext, hf_dir: Path | None):
     if hf_dir is not None and (hf_dir / "config.json").is_file():
         if not ctx.is_main:
             return None
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+        from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
         return ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf_dir))
     model = scoring_model(ctx)

@@ -3,8 +3,8 @@ expert-parallel groups, a fresh unsharded model holding it (the export, and what
 under ZeRO-3 / expert parallelism, where its shard cannot run without the other ranks)."""
 from __future__ import annotations
 
-from vision_encoders.hub import load_line_muted, log_load
-from vlm.safe_loading import load_state_dict_checked
+from vlm.modeling.vision_hub import load_line_muted, log_load
+from vlm.modeling.safe_loading import load_state_dict_checked
 from vlm.training import lora
 from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
 from vlm.training.model_setup import build_model

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from vlm.config import ConfigError
+from vlm.modeling.config_base import ConfigError
 from vlm.training import optim
 
 ADAPTER = "default"

@@ -324,7 +324,7 @@ def require_wandb() -> None:
     if "wandb" in sys.modules and sys.modules["wandb"] is None:
         del sys.modules["wandb"]
     if importlib.util.find_spec("wandb") is None:
-        from vlm.config import ConfigError
+        from vlm.modeling.config_base import ConfigError
 
         raise ConfigError("config error: log.report_to: wandb is not installed (pip install wandb)")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlm.config import ConfigError
+from vlm.modeling.config_base import ConfigError
 from vlm.config.train import TrainConfig
-from vlm.safe_loading import load_state_dict_checked
+from vlm.modeling.safe_loading import load_state_dict_checked
 from vlm.training import assemble
 
 
@@ -35,7 +35,7 @@ def load_tokenizer(path: str | None):
 def token_ids(tokenizer) -> tuple[dict, dict]:
     """Model-config token fields from a tokenizer prepared for our pipeline: vocabulary size, pad, the
     id that ends an assistant turn as eos (generation stops there), and the image tokens."""
-    from data_pipelines.chat_template import ChatTokenizer
+    from vlm.modeling.chat_template import ChatTokenizer
 
     chat = ChatTokenizer(tokenizer, num_image_tokens=0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.pad_id
@@ -58,9 +58,9 @@ def build_model_config(cfg: TrainConfig, tokenizer=None, text_base: dict | None 
     without one (synthetic data) fixed ids at the top of the preset's vocabulary are used.
     ``text_base``: the language model's fields (a pretrained LLM's, or an export's) instead of the
     preset's; ``vlm_base``: an export's ``vision:`` / ``projector:`` instead of the preset's."""
-    from vlm.config import ConceptMoEConfig
-    from vlm.config.core import load_yaml
-    from vlm.config.vlm import ConceptMoEVLMConfig
+    from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+    from vlm.modeling.config_base import load_yaml
+    from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
     over = dict(cfg.model.overrides)
     try:
@@ -98,10 +98,10 @@ def build_model_config(cfg: TrainConfig, tokenizer=None, text_base: dict | None 
 
 def model_class(kind: str):
     if kind == "vlm":
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration
+        from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
         return ConceptMoEVLMForConditionalGeneration
-    from vlm.modeling.hf import ConceptMoEForCausalLM
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
     return ConceptMoEForCausalLM
 
@@ -135,9 +135,9 @@ def init_weights_from(model, path: str, kind: str, say=print) -> None:
         raise ConfigError(f"config error: model.init_from: folder not found: {path} (run the previous stage first?)")
     assemble.check_init_from_type(path, kind)
     if kind == "vlm":
-        from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as cls
+        from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration as cls
     else:
-        from vlm.modeling.hf import ConceptMoEForCausalLM as cls
+        from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM as cls
     source = cls.from_pretrained(path).state_dict()
     bad = assemble.shape_mismatches(source, model.state_dict())
     if bad:
@@ -157,7 +157,7 @@ def build_processor(model, tokenizer):
     """``ConceptMoEVLMProcessor`` for a VLM (image settings from its vision tower); None otherwise."""
     if tokenizer is None or not hasattr(model, "vision"):
         return None
-    from vlm.processing import ConceptMoEVLMProcessor
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     return ConceptMoEVLMProcessor.for_model(tokenizer, model)
 
@@ -208,7 +208,7 @@ def setup_model(cfg: TrainConfig, say=print) -> ModelSetup:
     if m.init_from:
         init_weights_from(model, m.init_from, m.kind, say)
     elif llm is None:
-        from vision_encoders.hub import weights_digest
+        from vlm.modeling.vision_hub import weights_digest
 
         count, digest = weights_digest(getattr(model, "language_model", model))
         say(f"[model] language model: random init from the preset {m.preset} (no model.llm / init_from): "

@@ -33,7 +33,7 @@ def boundary_picture(ctx: RunContext, step: int, tb: Any | None = None) -> None:
     if model is None:  # not rank 0
         return
     try:
-        from data_pipelines.images import load_image
+        from vlm.modeling.image_transform import load_image
 
         with open(e.vqa_json, encoding="utf-8") as f:
             rec = json.load(f)[0]

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlm.safe_loading import read_json
+from vlm.modeling.safe_loading import read_json
 from vlm.training.checkpoint import TRAINER_STATE, ResumeError, rank_file, rng_state, set_rng_state
 
 UNIVERSAL = "universal"

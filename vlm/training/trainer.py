@@ -24,7 +24,7 @@ from vlm.training.distributed import (
 from vlm.training.expert_parallel import apply_expert_parallel, check_supported
 from vlm.flops.training import Trains
 from vlm.training.fault_injection import Faults
-from vlm.modeling.hf import loss_only
+from vlm.modeling.modeling_conceptmoe import loss_only
 from vlm.training.checkpointing import apply_activation_checkpointing
 from vlm.training.compile import compile_blocks
 from vlm.training.model_setup import build_processor, setup_model, text_config_of

@@ -50,7 +50,7 @@ def digits_vqa_accuracy(model, processor, json_path, image_root, limit: int | No
     "ratio_text", "examples": [first few (question, answer, prediction)]}``. Chance level: 10% for
     "What digit is this?", 50% for parity.
     """
-    from data_pipelines.images import load_image
+    from vlm.modeling.image_transform import load_image
 
     with open(json_path, encoding="utf-8") as f:
         records = json.load(f)

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import os
 
-import open_clip
 import torch
-from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
-from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
-from open_clip.transformer import VisionTransformer
 
-from vision_encoders.base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
-from vision_encoders.base import random_init, resolve_model_name, resolve_weights
-from vision_encoders.hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
-from vlm.config.core import fail
+try:  # optional: an export whose tower is not open_clip's loads without it (check_imports skips try)
+    import open_clip
+    from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
+    from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
+    from open_clip.transformer import VisionTransformer
 
-HUB_WEIGHT_FILES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)
+    HUB_WEIGHT_FILES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)
+except ImportError as err:
+    MISSING = err
+else:
+    MISSING = None
+
+from .vision_base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
+from .vision_base import random_init, resolve_model_name, resolve_weights
+from .vision_hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
+from .config_base import fail
 
 
 def _tag_cfg(name: str, tag: str) -> dict:
@@ -91,6 +97,9 @@ class OpenClipViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
+        if MISSING is not None:
+            raise fail("vision.backbone", f"{cfg.backbone!r} builds an open_clip tower; open_clip is not importable: "
+                                          f"{MISSING}")
         name = resolve_model_name(cfg, model_name)
         kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
         source, load_kwargs = _weights(cfg, name, requires_weights)

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from vlm.config.core import build, check, load_yaml
-from vlm.config.model import SECTIONS, ConceptMoEConfig
+from .config_base import build, check, load_yaml
+from .configuration_conceptmoe import SECTIONS, ConceptMoEConfig
+from .projector import ProjectorConfig
+from .vision_base import VisionEncoderConfig
+from .vision_registry import VISION_BACKBONES
 
 TOKEN_FIELDS = ("image_token_id", "im_start_token_id", "im_end_token_id")
 
@@ -25,8 +28,6 @@ def _mapping(value, key: str) -> dict:
 
 def _check_vision(vision) -> None:
     """What the section itself does not check: a registered backbone."""
-    from vision_encoders import VISION_BACKBONES
-
     check(vision.backbone in VISION_BACKBONES, "vision.backbone",
           f"unknown backbone {vision.backbone!r} (known: {', '.join(sorted(VISION_BACKBONES))})")
 
@@ -63,14 +64,10 @@ class ConceptMoEVLMConfig(PretrainedConfig):
 
     @property
     def vision_config(self):
-        from vision_encoders import VisionEncoderConfig  # vision_encoders imports vlm.config.core
-
         return build(VisionEncoderConfig, self.vision, "vision.")
 
     @property
     def projector_config(self):
-        from vision_encoders import ProjectorConfig
-
         return build(ProjectorConfig, self.projector, "projector.")
 
     @classmethod
@@ -125,3 +122,4 @@ def _flat_text(section: dict):
 
 
 AutoConfig.register("conceptmoe_vlm", ConceptMoEVLMConfig, exist_ok=True)
+ConceptMoEVLMConfig.register_for_auto_class("AutoConfig")  # a saved config carries its code and auto_map

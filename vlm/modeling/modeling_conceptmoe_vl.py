@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel, GenerationMixin
 
-from vlm.modeling.hf import ConceptMoEForCausalLM, ConceptMoEOutput, ConceptMoEPreTrainedModel
-from vlm.config.vlm import ConceptMoEVLMConfig
+from .modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEOutput, ConceptMoEPreTrainedModel
+from .configuration_conceptmoe_vl import ConceptMoEVLMConfig
+from .projector import build_projector
+from .vision_registry import build_vision_encoder
 
 
 class ImageTokenMismatch(ValueError):
@@ -26,8 +28,6 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, Generatio
     _no_split_modules = ["TransformerBlock"]
 
     def __init__(self, config: ConceptMoEVLMConfig):
-        from vision_encoders import build_projector, build_vision_encoder  # it imports vlm.config.core
-
         super().__init__(config)
         self.vision = build_vision_encoder(config.vision_config)
         for module in self.vision.modules():
@@ -109,3 +109,5 @@ try:  # transformers >= 4.50 has the image-text-to-text auto class
     AutoModelForImageTextToText.register(ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration, exist_ok=True)
 except ImportError:  # pragma: no cover
     pass
+# the export carries this package's code and auto_map (see modeling_conceptmoe.py)
+ConceptMoEVLMForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")

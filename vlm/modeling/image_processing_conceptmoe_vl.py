@@ -1,6 +1,6 @@
 """ConceptMoEImageProcessor: the vision backbone's image transform as a transformers image processor.
 
-A thin ``BaseImageProcessor`` around ``data_pipelines.images.ImageTransform`` (the transform training
+A thin ``BaseImageProcessor`` around ``vlm.modeling.image_transform.ImageTransform`` (the transform training
 uses), so its pixels are the training pixels bit for bit. Its settings are the transform's
 constructor arguments (image_size, image_mean, image_std, resample, image_aspect and, with
 image_aspect "anyres", anyres_grids); ``save_pretrained`` / ``to_dict`` write exactly those plus
@@ -16,8 +16,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 
-from data_pipelines.images import ANYRES_GRIDS, ImageTransform
-from vlm.config.vlm import ConceptMoEVLMConfig
+from .image_transform import ANYRES_GRIDS, ImageTransform
+from .configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
 
 class ConceptMoEImageProcessor(BaseImageProcessor):
@@ -113,3 +113,4 @@ def _flatten(images):
 
 AutoImageProcessor.register(ConceptMoEVLMConfig, image_processor_classes={"torchvision": ConceptMoEImageProcessor},
                             exist_ok=True)
+ConceptMoEImageProcessor.register_for_auto_class("AutoImageProcessor")  # saved alone: its code and auto_map

@@ -1,7 +1,7 @@
 """Hugging Face wrappers: ``ConceptMoEForCausalLM`` (PreTrainedModel + GenerationMixin), Auto classes.
 
 ``save_pretrained`` writes safetensors; ``from_pretrained`` reads safetensors only (a folder that
-holds only pickles is refused unless ``trust_pickle=True``; see ``vlm/safe_loading.py``).
+holds only pickles is refused unless ``trust_pickle=True``; see ``vlm/modeling/safe_loading.py``).
 
 ``generate`` is transformers' ``GenerationMixin.generate`` on our cached decoding: the forward with
 a ``ConceptCache`` (cache.py) runs the prefill on a fresh ``DecodeState`` and ``decode_step`` for each
@@ -28,15 +28,15 @@ from transformers import initialization as init
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
 
-from vlm.config import ConceptMoEConfig
-from vlm.modeling.attention import Attention
-from vlm.modeling.cache import ConceptCache
-from vlm.modeling.chunking import TEXT, ChunkModule
-from vlm.modeling.conceptmoe import CompressionStats, ConceptMoEModel
-from vlm.modeling.generation import DecodeState, decode_step
-from vlm.modeling.hf_features import generation_cache_key
-from vlm.modeling.moe import MoEFeedForward
-from vlm.safe_loading import require_safetensors
+from .configuration_conceptmoe import ConceptMoEConfig
+from .attention import Attention
+from .cache import ConceptCache
+from .chunking import TEXT, ChunkModule
+from .conceptmoe import CompressionStats, ConceptMoEModel
+from .generation import DecodeState, decode_step
+from .hf_features import generation_cache_key
+from .moe import MoEFeedForward
+from .safe_loading import require_safetensors
 
 
 @dataclass
@@ -176,7 +176,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, trust_pickle: bool = False, **kwargs):
-        """Safetensors only, unless ``trust_pickle=True`` (see ``vlm/safe_loading.py``)."""
+        """Safetensors only, unless ``trust_pickle=True`` (see ``vlm/modeling/safe_loading.py``)."""
         require_safetensors(pretrained_model_name_or_path, trust_pickle)
         if not trust_pickle:
             kwargs["use_safetensors"] = True
@@ -193,16 +193,6 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
                 return
         super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                                      *args, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' files + the code and ``auto_map`` for ``trust_remote_code=True`` loading where our
-        packages are not installed (``vlm/remote_code.py``)."""
-        out = super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            from vlm.remote_code import MODEL_AUTO_MAP, write_remote_code
-
-            write_remote_code(save_directory, {"config.json": MODEL_AUTO_MAP[self.config.model_type]})
-        return out
 
     def _initialize_weights(self, module, is_custom_code: bool = False):
         # For "custom code" (any model outside transformers) modules without direct parameters
@@ -378,3 +368,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
 
 AutoConfig.register("conceptmoe", ConceptMoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(ConceptMoEConfig, ConceptMoEForCausalLM, exist_ok=True)
+# save_pretrained copies this package's files (transformers' custom_object_save) and writes auto_map, so an
+# export loads with trust_remote_code=True where our packages are not installed
+ConceptMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")

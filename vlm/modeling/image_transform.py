@@ -18,7 +18,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision import transforms
 
-from .common import Skip
+from .chat_common import Skip
 
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's own Image.MAX_IMAGE_PIXELS default (~ 9459 x 9459)
 # The decoders `load_image` lets PIL try: the formats image datasets use. Anything else (EPS, which

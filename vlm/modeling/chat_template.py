@@ -18,7 +18,7 @@ from .chat_format import (
     stop_marker,
     template_writes_bos,
 )
-from .common import (
+from .chat_common import (
     ASSISTANT_TOKEN,
     END_TOKEN,
     EOS_TOKEN,

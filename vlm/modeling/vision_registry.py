@@ -7,11 +7,11 @@ Build errors are one-line ``ConfigError``s (a ``ValueError``; the trainer exits 
 
 from __future__ import annotations
 
-from vision_encoders.base import VisionEncoder, VisionEncoderConfig
-from vision_encoders.hf_vit import HFViTEncoder
-from vision_encoders.open_clip_vit import OpenClipViTEncoder
-from vision_encoders.timm_vit import TimmViTEncoder
-from vlm.config.core import fail
+from .vision_base import VisionEncoder, VisionEncoderConfig
+from .vision_hf import HFViTEncoder
+from .vision_open_clip import OpenClipViTEncoder
+from .vision_timm import TimmViTEncoder
+from .config_base import fail
 
 VISION_BACKBONES: dict[str, tuple[type[VisionEncoder], dict]] = {}
 

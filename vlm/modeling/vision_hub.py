@@ -16,7 +16,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from torch import nn
 
-from vlm.config.core import ConfigError, fail
+from .config_base import ConfigError, fail
 
 HUB_PREFIXES = ("hf-hub:", "hf_hub:")
 HUB_REPO_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_][A-Za-z0-9_.-]*")

@@ -2,7 +2,7 @@
 
 An encoder maps ``pixel_values_BCHW`` (made by ``encoder.image_transform()``) to patch features
 ``features_BPD`` in raster order over ``patch_grid``, the CLS token in front if ``keep_cls``.
-Weights come from local files or the local Hugging Face cache only (``vision_encoders.hub``); every
+Weights come from local files or the local Hugging Face cache only (``vlm.modeling.vision_hub``); every
 load logs one line, and a random init happens only when nothing names weights.
 """
 
@@ -17,21 +17,9 @@ import torch
 from pydantic import AfterValidator, BeforeValidator, Field
 from torch import nn
 
-from data_pipelines.images import (
-    ANYRES_GRIDS,
-    IMAGE_ASPECTS,
-    RESAMPLE_MODES,
-    ImageTransform,
-    check_grids,
-)
-from vision_encoders.hub import (
-    HUB_PREFIXES,
-    HUB_REPO_RE,
-    check_pickle,
-    hub_id,
-    log_load,
-)
-from vlm.config.core import PosInt, Section, Text, fail
+from .image_transform import ANYRES_GRIDS, IMAGE_ASPECTS, RESAMPLE_MODES, ImageTransform, check_grids
+from .vision_hub import HUB_PREFIXES, HUB_REPO_RE, check_pickle, hub_id, log_load
+from .config_base import PosInt, Section, Text, fail
 
 FEATURE_LAYERS = ("last", "penultimate")
 __all__ = ["FEATURE_LAYERS", "HUB_PREFIXES", "IMAGE_ASPECTS", "VisionEncoder", "VisionEncoderConfig"]

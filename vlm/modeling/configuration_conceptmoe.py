@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field
 from transformers import PretrainedConfig
 
-from vlm.config.core import ConfigError, NonNegInt, Num, PosInt, Section, build, check, fail, load_yaml
+from .config_base import ConfigError, NonNegInt, Num, PosInt, Section, build, check, fail, load_yaml
 
 
 class AttentionConfig(Section):
@@ -265,6 +265,8 @@ class ConceptMoEConfig(PretrainedConfig):
             raw = raw["model"]
         return cls.from_dict_sections(raw, overrides)
 
+
+ConceptMoEConfig.register_for_auto_class("AutoConfig")  # a saved config carries its code and auto_map
 
 __all__ = ["AttentionConfig", "ChunkingConfig", "ConceptMoEConfig", "ConfigError", "FIELD_OWNER", "LayoutConfig",
            "MoEConfig", "SECTIONS", "field_key", "fail"]

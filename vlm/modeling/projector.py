@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from vlm.config.core import Section
+from .config_base import Section
 
 PROJECTOR_KINDS = ("linear", "mlp2x_gelu")
 PROJECTOR_MERGES = ("none", "pixel_shuffle2x2")

@@ -14,7 +14,7 @@ import re
 
 from jinja2 import TemplateError
 
-from .common import turn_role_and_text
+from .chat_common import turn_role_and_text
 
 # what rendering a template can raise: raise_exception / undefined names (TemplateError), no template
 # (ValueError), and what template code hits on unexpected messages (an empty list, a bad role, ...)

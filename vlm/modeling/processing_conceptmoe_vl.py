@@ -15,15 +15,16 @@ import os
 
 import torch
 from transformers import AutoProcessor, BatchFeature, PreTrainedTokenizerBase
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import PROCESSOR_NAME
 
-from data_pipelines.chat_template import CHAT_TEMPLATE, ChatTokenizer
-from data_pipelines.collate import pad_token_lists
-from data_pipelines.common import ASSISTANT_ROLES, IMAGE_TOKEN, USER_ROLES
-from data_pipelines.tokenizer_files import save_tokenizer_folder
-from vlm.config.vlm import ConceptMoEVLMConfig
-from vlm.image_processing import ConceptMoEImageProcessor
+from .chat_template import CHAT_TEMPLATE, ChatTokenizer
+from .padding import pad_token_lists
+from .chat_common import ASSISTANT_ROLES, IMAGE_TOKEN, USER_ROLES
+from .tokenizer_files import save_tokenizer_folder
+from .configuration_conceptmoe_vl import ConceptMoEVLMConfig
+from .image_processing_conceptmoe_vl import ConceptMoEImageProcessor
 
 PROCESSOR_CONFIG = PROCESSOR_NAME  # "processor_config.json"
 IMAGE_SETTINGS = ("image_size", "image_mean", "image_std", "resample", "image_aspect", "anyres_grids")
@@ -267,10 +268,10 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
             raise ValueError("ConceptMoEVLMProcessor.save_pretrained writes a folder; push it with huggingface_hub")
         os.makedirs(save_directory, exist_ok=True)
         save_tokenizer_folder(self.tokenizer, str(save_directory))
-        self.to_json_file(os.path.join(save_directory, PROCESSOR_CONFIG))
-        from vlm.remote_code import PROCESSOR_AUTO_MAP, write_remote_code  # trust_remote_code loading
-
-        write_remote_code(save_directory, {PROCESSOR_CONFIG: PROCESSOR_AUTO_MAP})
+        remote = {}  # this package's code files, and their auto_map (transformers' remote-code saving)
+        custom_object_save(self, save_directory, config=remote)
+        with open(os.path.join(save_directory, PROCESSOR_CONFIG), "w", encoding="utf-8") as f:
+            f.write(json.dumps({**self.to_dict(), **remote}, indent=2, sort_keys=True) + "\n")
         return str(save_directory)
 
     @classmethod
@@ -354,3 +355,4 @@ def _is_conversation(value) -> bool:
 
 
 AutoProcessor.register(ConceptMoEVLMConfig, ConceptMoEVLMProcessor, exist_ok=True)
+ConceptMoEVLMProcessor.register_for_auto_class("AutoProcessor")

@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from vision_encoders.base import (
+from .vision_base import (
     META_SOURCE,
     VisionEncoder,
     VisionEncoderConfig,
@@ -19,8 +19,8 @@ from vision_encoders.base import (
     on_meta_device,
     resolve_model_name,
 )
-from vision_encoders.hub import HUB_REPO_RE, hub_cache_dir, hub_id, library_errors, require_cached
-from vlm.config.core import fail
+from .vision_hub import HUB_REPO_RE, hub_cache_dir, hub_id, library_errors, require_cached
+from .config_base import fail
 
 KEY = "vision.model_name"
 # config.model_type -> the vision tower class (a full CLIP / SigLIP checkpoint loads its vision tower)

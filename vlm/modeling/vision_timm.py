@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import timm
 import torch
-from timm.models import get_pretrained_cfg, split_model_name_tag
 
-from vision_encoders.base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
-from vision_encoders.base import random_init, resolve_model_name, resolve_weights
-from vision_encoders.hub import (
-    check_pickle,
-    hub_id,
-    library_errors,
-    looks_like_path,
-    require_cached,
-    unknown_name,
-)
-from vlm.config.core import fail
+try:  # optional: an export whose tower is not timm's loads without it (transformers' check_imports skips try)
+    import timm
+    from timm.models import get_pretrained_cfg, split_model_name_tag
+except ImportError as err:
+    timm, MISSING = None, err
+else:
+    MISSING = None
+
+from .vision_base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
+from .vision_base import random_init, resolve_model_name, resolve_weights
+from .vision_hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
+from .config_base import fail
 
 KEY = "vision.model_name"
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -87,6 +86,8 @@ class TimmViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
+        if MISSING is not None:
+            raise fail("vision.backbone", f"{cfg.backbone!r} builds a timm tower; timm is not importable: {MISSING}")
         name = resolve_model_name(cfg, model_name)
         kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
         if cfg.image_size is not None:

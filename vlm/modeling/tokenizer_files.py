@@ -11,7 +11,7 @@ import os
 import shutil
 
 from .chat_template import CHAT_TEMPLATE
-from .common import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+from .chat_common import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
 EXTRA_SPECIALS = [t for t in SPECIAL_TOKENS if t not in (PAD_TOKEN, EOS_TOKEN)]
 
