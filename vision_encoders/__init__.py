@@ -1,5 +1,6 @@
 """Vision encoders (timm / open_clip / transformers ViTs; weights from local files or the local HF
-cache, one log line per load), their image transform, and the projector.
+cache, one log line per load), their image transform, and the projector: the public names of the towers that
+live in the model package (``vlm/modeling/vision_*.py``, ``projector.py``), which an export carries.
 
     encoder = build_vision_encoder(VisionEncoderConfig(backbone="tiny-vit"))  # pixels [B,3,H,W] -> [B,P,D]
     transform = encoder.image_transform()                                      # PIL image -> [3,H,W]
