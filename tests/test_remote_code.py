@@ -69,6 +69,7 @@ def test_export_writes_auto_map_and_code(export):
     assert config["auto_map"]["AutoModelForImageTextToText"] == \
         "modeling_conceptmoe_vl.ConceptMoEVLMForConditionalGeneration"
     assert config["auto_map"]["AutoConfig"] == "configuration_conceptmoe_vl.ConceptMoEVLMConfig"
+    assert config["auto_map"]["AutoModel"] == config["auto_map"]["AutoModelForImageTextToText"]
     assert (out / "modeling_conceptmoe_vl.py").is_file() and (out / "generation.py").is_file()
 
 
@@ -127,3 +128,31 @@ def test_export_loads_without_the_optional_tower_libraries(export):
     _, _, out = export
     needed = {name for path in out.glob("*.py") for name in get_imports(path)}
     assert "torch" in needed and not needed & {"timm", "open_clip"}, sorted(needed)
+
+
+@torch.no_grad()
+def test_language_model_export_loads_and_generates_without_our_packages(tmp_path):
+    """The LM alone: its export carries the language model's files only (no vision tower, no processor)."""
+    from pathlib import Path
+
+    from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
+
+    torch.manual_seed(0)
+    config = ConceptMoEConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs/model/tiny_concept.yaml")
+    model = ConceptMoEForCausalLM(config).eval()
+    out = tmp_path / "lm"
+    model.save_pretrained(out)
+    code = sorted(p.name for p in out.glob("*.py"))
+    assert "modeling_conceptmoe.py" in code and not [n for n in code if n.startswith(("vision_", "processing_"))]
+    ids = torch.tensor([[3, 9, 14, 20, 33, 41]])
+    ours = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    result = run_blocked(f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor([[3, 9, 14, 20, 33, 41]])
+        new = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        print(json.dumps({{"module": type(model).__module__, "tokens": new}}))
+    """, tmp_path)
+    assert result["module"].startswith("transformers_modules.") and result["tokens"] == ours

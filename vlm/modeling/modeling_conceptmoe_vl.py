@@ -94,9 +94,14 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, Generatio
             self.train(was_training)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """The vision weights travel inside the checkpoint, so the saved config points at no file."""
+        """The vision weights travel inside the checkpoint, so the saved config points at no file. The
+        export's ``auto_map`` names this class for ``AutoModel`` as well (``register_for_auto_class``, below,
+        names one auto class: ``AutoModelForImageTextToText``)."""
         original = dict(self.config.vision)
         self.config.vision = {**original, "pretrained": None}
+        cls = type(self)
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
+                                "AutoModel": f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}"}
         try:
             return super().save_pretrained(save_directory, *args, **kwargs)
         finally:
