@@ -13,7 +13,7 @@ import torch
 from vlm.reliability import cases
 from vlm.reliability.harness import TOL
 from vlm.reliability.soak import run_soak
-from vlm.training.fault_injection import (
+from vlm.reliability.faults import (
     ENV,
     NO_FAULTS,
     POINTS,

@@ -30,7 +30,7 @@ def _raw(tmp: Path, name: str, **sections) -> dict:
 def lora_run(tmp_path_factory):
     """A 4-step LoRA run (checkpoints at 2 and 4, HF export) and the model's starting weights."""
     from vlm.config.train import load_train_config
-    from vlm.training.model_setup import setup_model
+    from vlm.training.build import setup_model
     from vlm.training.trainer import seed_everything
 
     tmp = tmp_path_factory.mktemp("lora")

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         ResumeError,
         find_checkpoint,
     )
-    from vlm.training.fault_injection import Faults, FaultSpecError
+    from vlm.reliability.faults import Faults, FaultSpecError
     from vlm.config.train import load_train_config
 
     try:

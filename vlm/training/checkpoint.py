@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from vlm.safe_loading import read_json
-from vlm.training.fault_injection import NO_FAULTS, Faults
+from vlm.reliability.faults import NO_FAULTS, Faults
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"

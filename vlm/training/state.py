@@ -1,4 +1,4 @@
-"""Typed state the trainer hands to its helpers (``periodic.py``, ``finish.py``): what is fixed
+"""Typed state the trainer hands to its helpers (``callbacks/``): what is fixed
 for a run (``RunContext``) and the counters that advance with training and go into every
 checkpoint (``Progress``)."""
 from __future__ import annotations

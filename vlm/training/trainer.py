@@ -13,7 +13,8 @@ import torch
 
 from vlm.config.train import TrainConfig
 from vlm.training import checkpoint as ckpt
-from vlm.training import finish, lora, optim, periodic, reshard
+from vlm.training import lora, optim, reshard
+from vlm.training.callbacks import end_of_run as finish, in_training_eval as periodic
 from vlm.training.data import build_loader, check_data_paths
 from vlm.training.distributed import (
     barrier,
@@ -23,11 +24,11 @@ from vlm.training.distributed import (
 )
 from vlm.training.expert_parallel import apply_expert_parallel, check_supported
 from vlm.flops.training import Trains
-from vlm.training.fault_injection import Faults
+from vlm.reliability.faults import Faults
 from vlm.modeling.hf import loss_only
-from vlm.training.checkpointing import apply_activation_checkpointing
+from vlm.training.activation_checkpointing import apply_activation_checkpointing
 from vlm.training.compile import compile_blocks
-from vlm.training.model_setup import build_processor, setup_model, text_config_of
+from vlm.training.build import build_processor, setup_model, text_config_of
 from vlm.training.metrics import (
     MetricsLogger,
     WindowStats,
@@ -371,7 +372,7 @@ class Trainer:
                 total[k] = total.get(k, 0) + int(v)
         return total
 
-    # --- after training (vlm/training/finish.py) -------------------------------------------------
+    # --- after training (vlm/training/callbacks/end_of_run.py) -------------------------------------------------
     def finish(self) -> dict:
         """Export (if asked), eval (if configured), summary table. Collective."""
         return finish.finish(self.ctx, self.progress, self.peak_label, self.t_start)

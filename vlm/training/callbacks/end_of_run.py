@@ -52,7 +52,7 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
     e = ctx.cfg.eval
     result = None
     if e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:  # the same on every rank
-        from vlm.training.vqa_eval import digits_vqa_accuracy
+        from eval_suites.digits_vqa import digits_vqa_accuracy
 
         model = _eval_model(ctx, hf_dir)
         if model is not None:

@@ -59,7 +59,7 @@ def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> Non
     if ctx.zero_stage < 3 and e.vqa_json and ctx.processor is not None:  # the same on every rank
         model = scoring_model(ctx)
     if model is not None:
-        from vlm.training.vqa_eval import digits_vqa_accuracy
+        from eval_suites.digits_vqa import digits_vqa_accuracy
 
         t0 = time.perf_counter()
         res = digits_vqa_accuracy(model, ctx.processor, e.vqa_json, e.image_root or "",
