@@ -57,6 +57,24 @@ def test_faults_fire_only_at_their_point_step_and_rank(tmp_path, monkeypatch):
     assert not NO_FAULTS and faults and set(POINTS) >= {f.point for f in faults.faults}
 
 
+def test_fault_plans_enter_through_the_reliability_entry_point_only(tmp_path, monkeypatch, capsys):
+    """``python -m vlm.train`` refuses a fault plan (one line, exit 2) instead of ignoring it;
+    ``python -m vlm.reliability.train`` reads it, and a malformed one is one line, exit 2."""
+    from vlm.reliability.runs import config, write_config
+    from vlm.reliability.train import main as faulty_main
+    from vlm.train import main
+
+    path = write_config(tmp_path, config(tmp_path, name="plan"), "plan.yaml")
+    monkeypatch.setenv(ENV, "nan:loss:1")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "python -m vlm.reliability.train" in err, err
+    monkeypatch.setenv(ENV, "kill:nowhere:3")
+    assert faulty_main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ENV}: bad fault 'kill:nowhere:3'") and len(err.splitlines()) == 1, err
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("faults")

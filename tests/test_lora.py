@@ -37,7 +37,7 @@ def lora_run(tmp_path_factory):
     raw = _raw(tmp, "full")
     cfg = load_train_config(raw=raw)
     seed_everything(cfg.seed)  # as the trainer does: the same starting weights
-    start = {k: v.clone() for k, v in setup_model(cfg, say=lambda _: None).model.state_dict().items()}
+    start = {k: v.clone() for k, v in setup_model(cfg, log_line=lambda _: None).model.state_dict().items()}
     trainer = helpers.run_inprocess(raw, tmp, finish=True)
     return tmp, trainer, start
 

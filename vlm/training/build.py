@@ -1,16 +1,27 @@
 """The model side of the trainer: tokenizer, model config, model and processor from the ``model``
-section. Three starts: a preset (random weights, or ``init_from`` an export of the same
-architecture), pretrained parts (``model.llm`` + ``model.vision``; ``assemble.py``), or an export
-that brings its own architecture (``preset: null`` + ``init_from``)."""
+section (``setup_model``). Three starts, each part logging one line:
+
+- a preset: random weights, or ``init_from`` an export of the same architecture;
+- pretrained parts: ``model.llm`` names the language model, a transformers checkpoint (imported by
+  ``vlm.hf_import``) or a ConceptMoE folder (``python -m vlm.convert`` output), with its own tokenizer
+  made ready for images (``data_pipelines.llm_tokenizer``); the vision tower is the one ``model.vision``
+  names (``vision_encoders``); the projector is new. New token rows (``<image>``, ``<im_start>``,
+  ``<im_end>``, a pad or role tokens the LLM lacks) start as the mean of the LLM's own token rows, in
+  the input embeddings and the LM head;
+- an export that brings its own architecture: ``preset: null`` + ``init_from``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vlm.config import ConfigError
+from vlm.config.core import fail
+from vlm.config.model import FIELD_OWNER, ConceptMoEConfig
 from vlm.config.train import TrainConfig
-from vlm.safe_loading import load_state_dict_checked
-from vlm.training import assemble
+from vlm.safe_loading import load_state_dict_checked, read_json, require_safetensors
 
 
 def _prefix_error(err: Exception) -> ConfigError:
@@ -22,6 +33,152 @@ def _prefix_error(err: Exception) -> ConfigError:
     return ConfigError(f"config error: model: {msg.splitlines()[0] if msg else type(err).__name__}")
 
 
+# --- pretrained parts (model.llm) and exports (init_from) -------------------------------------
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+OWN_TYPES = {"lm": "conceptmoe", "vlm": "conceptmoe_vlm"}
+
+
+@dataclass
+class LLMWeights:
+    """A language model read from disk, in our parameter names, before it has a home."""
+    path: Path
+    what: str  # "olmoe checkpoint, imported" | "ConceptMoE checkpoint"
+    config: ConceptMoEConfig
+    state_dict: dict[str, torch.Tensor]
+
+
+def model_type_of(path: Path, key: str) -> str:
+    """The ``model_type`` of a checkpoint folder, or a one-line error naming ``key``."""
+    if not path.is_dir():
+        raise fail(key, f"folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise fail(key, f"{path} has no config.json: not a checkpoint folder")
+    return str(read_json(path / "config.json").get("model_type", ""))
+
+
+def read_llm(path_str: str, key: str = "model.llm") -> LLMWeights:
+    """The language model at ``path_str``, or one line naming what is wrong with it."""
+    from vlm.hf_import import FAMILIES, hf_family, imported_config, load_hf_config, map_weights
+    from vlm.hf_import.weights import read_safetensors
+
+    path = Path(path_str)
+    kind = model_type_of(path, key)
+    try:
+        if hf_family(path) is not None:
+            require_safetensors(path)
+            config = imported_config(load_hf_config(path))
+            sd = map_weights(read_safetensors(path), config.tie_word_embeddings)
+            return LLMWeights(path, f"{kind} checkpoint, imported", config, sd)
+        if kind == "conceptmoe":
+            require_safetensors(path)
+            config = ConceptMoEConfig.from_pretrained(path)
+            return LLMWeights(path, "ConceptMoE checkpoint", config, read_safetensors(path))
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as err:
+        raise fail(key, f"{path}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
+    if kind == "conceptmoe_vlm":
+        raise fail(key, f"{path} is a ConceptMoE VLM export: continue from it with model.init_from "
+                        "(and model.preset: null)")
+    raise fail(key, f"{path} is a {kind!r} checkpoint: expected a transformers LLM of the families "
+                    f"{', '.join(FAMILIES)} or a ConceptMoE checkpoint (python -m vlm.convert)")
+
+
+def field_values(config: ConceptMoEConfig) -> dict:
+    """The model fields of a language-model config (what a preset would say), flat."""
+    return {name: getattr(config, name) for name in FIELD_OWNER}
+
+
+def load_tokenizer_prepared(path: str):
+    """The tokenizer at ``path`` made ready for images; returns (tokenizer, added tokens, original size)."""
+    from data_pipelines.llm_tokenizer import prepare_llm_tokenizer
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise fail("model.tokenizer", f"folder not found: {path}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise fail("model.tokenizer", f"{path}: no usable tokenizer ({(str(err).splitlines() or [''])[0]})") from None
+    original = len(tokenizer)
+    return tokenizer, prepare_llm_tokenizer(tokenizer), original
+
+
+def grow_embeddings(sd: dict, vocab_size: int, new_ids: list[int], n_original: int) -> None:
+    """Pad the embedding (and untied head) rows of ``sd`` to ``vocab_size``; rows ``new_ids`` = the mean
+    of the first ``n_original`` rows (the LLM's own tokens)."""
+    for key in EMBEDDING_KEYS:
+        if key not in sd:
+            continue
+        weight = sd[key]
+        if weight.shape[0] < vocab_size:
+            weight = torch.cat([weight, weight.new_zeros(vocab_size - weight.shape[0], weight.shape[1])])
+        if new_ids:
+            weight = weight.clone()
+            weight[new_ids] = weight[:n_original].float().mean(0).to(weight.dtype)
+        sd[key] = weight
+
+
+def shape_mismatches(source: dict, expected: dict) -> list[str]:
+    """``"name (source shape) vs (expected shape)"`` for every tensor both hold with different shapes."""
+    return [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in source.items()
+            if k in expected and v.shape != expected[k].shape]
+
+
+def load_llm_into(model, llm: LLMWeights, new_ids: list[int], n_original: int, log_line) -> None:
+    """Copy ``llm`` into the model's language model (strict); one log line."""
+    from vision_encoders.hub import weights_digest
+
+    target = getattr(model, "language_model", model)
+    vocab = target.config.vocab_size
+    grow_embeddings(llm.state_dict, vocab, new_ids, n_original)
+    bad = shape_mismatches(llm.state_dict, target.state_dict())
+    if bad:
+        raise fail("model.llm", f"{llm.path}: shape mismatch with the configured model: {bad[:3]}")
+    missing, unexpected = load_state_dict_checked(target, llm.state_dict)
+    if missing or unexpected:
+        raise fail("model.llm", f"{llm.path} does not match the configured model (missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]})")
+    count, digest = weights_digest(target)
+    added = f"; {len(new_ids)} new token rows = mean of {n_original}" if new_ids else ""
+    log_line(f"[model] language model <- {llm.path} ({llm.what}): {count} tensors, {digest}{added}")
+
+
+def log_new_parts(model, log_line) -> None:
+    """One line for each part that starts from random weights (the projector of a new VLM)."""
+    from vision_encoders.hub import weights_digest
+
+    if hasattr(model, "projector"):
+        count, digest = weights_digest(model.projector)
+        log_line(f"[model] projector: new, random init ({model.config.projector.get('kind', 'default')}): "
+            f"{count} tensors, {digest}")
+
+
+def check_init_from_type(path: Path, kind: str) -> None:
+    """``model.init_from`` takes our own exports only; anything else is one line naming its type."""
+    found = model_type_of(path, "model.init_from")
+    want = OWN_TYPES[kind]
+    if found == want:
+        return
+    if kind == "vlm" and found == "conceptmoe":
+        hint = "a language model: start a VLM from it with model.llm"
+    elif found in OWN_TYPES.values():
+        hint = f"model.kind is {kind!r}"
+    else:
+        hint = "to start from a transformers model use model.llm (or python -m vlm.convert)"
+    raise fail("model.init_from", f"{path} is a {found!r} checkpoint, not a {want!r} export ({hint})")
+
+
+def log_init_from(model, path: Path, log_line) -> None:
+    from vision_encoders.hub import weights_digest
+
+    parts = [(name, getattr(model, name)) for name in ("vision", "projector", "language_model") if hasattr(model, name)]
+    for name, module in parts or [("language model", model)]:
+        count, digest = weights_digest(module)
+        log_line(f"[model] {name.replace('_', ' ')} <- {path} (init_from): {count} tensors, {digest}")
+
+
+# --- the model config and the model ----------------------------------------------------------
 def load_tokenizer(path: str | None):
     if not path:
         return None
@@ -110,7 +267,7 @@ def build_model(model_config, kind: str):
     return model_class(kind)(model_config)
 
 
-def load_export(path: str, model_config, kind: str, say=print):
+def load_export(path: str, model_config, kind: str, log_line=print):
     """Our export at ``path`` with ``model_config`` (its own + overrides) in fp32, read once (the vision
     tower is built on the meta device, nothing else is read); any key that does not load is one line."""
     import torch
@@ -123,30 +280,30 @@ def load_export(path: str, model_config, kind: str, say=print):
     problems = {name: keys[:3] for name, keys in problems.items() if keys}
     if problems:
         raise ConfigError(f"config error: model.init_from: {path} does not match the configured model ({problems})")
-    assemble.log_init_from(model, Path(path), say)
+    log_init_from(model, Path(path), log_line)
     return model
 
 
-def init_weights_from(model, path: str, kind: str, say=print) -> None:
+def init_weights_from(model, path: str, kind: str, log_line=print) -> None:
     """Copy the weights of an HF export (``save_pretrained`` folder) into ``model`` (strict); one log
     line per part. A foreign checkpoint, a missing / unexpected key or a shape mismatch is one line."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"config error: model.init_from: folder not found: {path} (run the previous stage first?)")
-    assemble.check_init_from_type(path, kind)
+    check_init_from_type(path, kind)
     if kind == "vlm":
         from vlm.modeling.vlm_model import ConceptMoEVLMForConditionalGeneration as cls
     else:
         from vlm.modeling.hf import ConceptMoEForCausalLM as cls
     source = cls.from_pretrained(path).state_dict()
-    bad = assemble.shape_mismatches(source, model.state_dict())
+    bad = shape_mismatches(source, model.state_dict())
     if bad:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model (shapes {bad[:3]})")
     missing, unexpected = load_state_dict_checked(model, source)
     if missing or unexpected:
         raise ConfigError(f"config error: model.init_from: {path} does not match the model "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    assemble.log_init_from(model, path, say)
+    log_init_from(model, path, log_line)
 
 
 def text_config_of(model_config):
@@ -173,45 +330,70 @@ def _export_bases(path: Path, kind: str) -> tuple[dict, dict | None]:
     """(text fields, vision/projector sections) of our export at ``path``."""
     from transformers import AutoConfig
 
-    assemble.check_init_from_type(path, kind)
+    check_init_from_type(path, kind)
     config = AutoConfig.from_pretrained(str(path))
     if kind == "vlm":
-        return assemble.field_values(config.text_config), {"vision": config.vision, "projector": config.projector}
-    return assemble.field_values(config), None
+        return field_values(config.text_config), {"vision": config.vision, "projector": config.projector}
+    return field_values(config), None
 
 
-def setup_model(cfg: TrainConfig, say=print) -> ModelSetup:
-    """Tokenizer, model config and model with its starting weights, every part logged."""
+def _prepared_tokenizer(path: str, log_line):
+    """The tokenizer at ``path`` made ready for images, with one line naming the tokens it gained."""
+    tokenizer, added, n_original = load_tokenizer_prepared(path)
+    if added:
+        log_line(f"[model] tokenizer {path}: added {', '.join(added)} (ids {len(tokenizer) - len(added)}.."
+            f"{len(tokenizer) - 1})")
+    return tokenizer, added, n_original
+
+
+def from_preset(cfg: TrainConfig, log_line=print) -> ModelSetup:
+    """``model.preset``: random weights, or ``model.init_from`` an export of the same architecture."""
     m = cfg.model
-    llm, text_base, vlm_base, tok_path = None, None, None, m.tokenizer
-    if m.llm:
-        llm = assemble.read_llm(m.llm)
-        text_base, tok_path = assemble.field_values(llm.config), tok_path or m.llm
-    elif m.preset is None:
-        text_base, vlm_base = _export_bases(Path(m.init_from), m.kind)
-        tok_path = tok_path or m.init_from
-    if llm is not None or m.preset is None:
-        tokenizer, added, n_original = assemble.load_tokenizer_prepared(tok_path)
-        if added:
-            say(f"[model] tokenizer {tok_path}: added {', '.join(added)} (ids {len(tokenizer) - len(added)}.."
-                f"{len(tokenizer) - 1})")
-    else:
-        tokenizer, added, n_original = load_tokenizer(tok_path), [], 0
-    model_config = build_model_config(cfg, tokenizer, text_base, vlm_base)
-    if m.preset is None and llm is None:
-        return ModelSetup(tokenizer, model_config, load_export(m.init_from, model_config, m.kind, say))
+    tokenizer = load_tokenizer(m.tokenizer)
+    model_config = build_model_config(cfg, tokenizer)
     model = build_model(model_config, m.kind)
-    if llm is not None:
-        new_ids = tokenizer.convert_tokens_to_ids(added) if added else []
-        assemble.load_llm_into(model, llm, new_ids, n_original, say)
-        assemble.log_new_parts(model, say)
     if m.init_from:
-        init_weights_from(model, m.init_from, m.kind, say)
-    elif llm is None:
+        init_weights_from(model, m.init_from, m.kind, log_line)
+    else:
         from vision_encoders.hub import weights_digest
 
         count, digest = weights_digest(getattr(model, "language_model", model))
-        say(f"[model] language model: random init from the preset {m.preset} (no model.llm / init_from): "
+        log_line(f"[model] language model: random init from the preset {m.preset} (no model.llm / init_from): "
             f"{count} tensors, {digest}")
-        assemble.log_new_parts(model, say)
+        log_new_parts(model, log_line)
     return ModelSetup(tokenizer, model_config, model)
+
+
+def from_parts(cfg: TrainConfig, log_line=print) -> ModelSetup:
+    """``model.llm`` (+ the preset's ``vision:`` / ``projector:``): the pretrained language model and its
+    tokenizer, a new projector; ``model.init_from`` then overwrites every weight with an export's."""
+    m = cfg.model
+    llm = read_llm(m.llm)
+    tokenizer, added, n_original = _prepared_tokenizer(m.tokenizer or m.llm, log_line)
+    model_config = build_model_config(cfg, tokenizer, field_values(llm.config))
+    model = build_model(model_config, m.kind)
+    new_ids = tokenizer.convert_tokens_to_ids(added) if added else []
+    load_llm_into(model, llm, new_ids, n_original, log_line)
+    log_new_parts(model, log_line)
+    if m.init_from:
+        init_weights_from(model, m.init_from, m.kind, log_line)
+    return ModelSetup(tokenizer, model_config, model)
+
+
+def from_export(cfg: TrainConfig, log_line=print) -> ModelSetup:
+    """``preset: null`` + ``model.init_from``: an export with its own architecture (+ model overrides)."""
+    m = cfg.model
+    text_base, vlm_base = _export_bases(Path(m.init_from), m.kind)
+    tokenizer, _, _ = _prepared_tokenizer(m.tokenizer or m.init_from, log_line)
+    model_config = build_model_config(cfg, tokenizer, text_base, vlm_base)
+    return ModelSetup(tokenizer, model_config, load_export(m.init_from, model_config, m.kind, log_line))
+
+
+def setup_model(cfg: TrainConfig, log_line=print) -> ModelSetup:
+    """Tokenizer, model config and model with its starting weights, every part logged: pretrained
+    parts if ``model.llm`` is set, else an export if ``model.preset`` is null, else the preset."""
+    if cfg.model.llm:
+        return from_parts(cfg, log_line)
+    if cfg.model.preset is None:
+        return from_export(cfg, log_line)
+    return from_preset(cfg, log_line)

@@ -58,4 +58,4 @@ class RunContext:
     model_config: Any             # ConceptMoEVLMConfig or ConceptMoEConfig
     processor: Any | None         # ConceptMoEVLMProcessor (VLM) or None
     tokenizer: Any | None
-    say: Callable[[str], None]    # a line for the console / log (rank 0 only; others ignore it)
+    log_line: Callable[[str], None]  # a line for the console / log (rank 0 only; others ignore it)
