@@ -151,7 +151,7 @@ def log_new_parts(model, log_line) -> None:
     if hasattr(model, "projector"):
         count, digest = weights_digest(model.projector)
         log_line(f"[model] projector: new, random init ({model.config.projector.get('kind', 'default')}): "
-            f"{count} tensors, {digest}")
+                 f"{count} tensors, {digest}")
 
 
 def check_init_from_type(path: Path, kind: str) -> None:
@@ -342,7 +342,7 @@ def _prepared_tokenizer(path: str, log_line):
     tokenizer, added, n_original = load_tokenizer_prepared(path)
     if added:
         log_line(f"[model] tokenizer {path}: added {', '.join(added)} (ids {len(tokenizer) - len(added)}.."
-            f"{len(tokenizer) - 1})")
+                 f"{len(tokenizer) - 1})")
     return tokenizer, added, n_original
 
 
@@ -359,7 +359,7 @@ def from_preset(cfg: TrainConfig, log_line=print) -> ModelSetup:
 
         count, digest = weights_digest(getattr(model, "language_model", model))
         log_line(f"[model] language model: random init from the preset {m.preset} (no model.llm / init_from): "
-            f"{count} tensors, {digest}")
+                 f"{count} tensors, {digest}")
         log_new_parts(model, log_line)
     return ModelSetup(tokenizer, model_config, model)
 

@@ -81,8 +81,8 @@ def apply(model: nn.Module, cfg, trainable: set[str], log_line=print) -> dict[st
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
     lc = cfg.train.lora
     log_line(f"[train] LoRA r={lc.r} alpha={lc.alpha:g} dropout={lc.dropout:g} on {len(names)} linear layers of the "
-        f"language model ({', '.join(leaves)}): {n_lora:,} adapter parameters; trainable {sum(counts.values()):,} "
-        f"(" + ", ".join(f"{p} {counts[p]:,}" for p in optim.PARTS if counts[p]) + ")")
+             f"language model ({', '.join(leaves)}): {n_lora:,} adapter parameters; trainable {sum(counts.values()):,} "
+             f"(" + ", ".join(f"{p} {counts[p]:,}" for p in optim.PARTS if counts[p]) + ")")
     return counts
 
 

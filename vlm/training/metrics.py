@@ -181,7 +181,7 @@ class MfuMeter:
             return {"mfu": mfu}
         if not self.warned:
             self.log_line(f"[train] step {step}: no MFU: the model's {flops_per_s:.3g} FLOP/s exceed the peak "
-                     f"({self.peak_label}) x devices; set log.peak_flops to the device's real peak")
+                          f"({self.peak_label}) x devices; set log.peak_flops to the device's real peak")
             self.warned = True
         return {}
 

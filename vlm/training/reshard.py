@@ -79,12 +79,12 @@ def prepare(path: Path | None, world_size: int, zero_stage: int, ds_config: dict
         try:
             convert(path, out)
             log_line(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: converted it "
-                f"once to DeepSpeed's universal checkpoint {out}")
+                     f"once to DeepSpeed's universal checkpoint {out}")
         except ReshardError as e:
             err = str(e)
     elif rank == 0:
         log_line(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: loading its "
-            f"universal checkpoint {out}")
+                 f"universal checkpoint {out}")
     err = _agree(err)
     if err is not None:
         raise ReshardError(err)

@@ -161,7 +161,8 @@ class Trainer:
             prev = ck.with_name(ck.name + ".previous")
             shutil.rmtree(prev, ignore_errors=True)
             os.rename(ck, prev)
-            self.log_line(f"[train] fresh start: moved the earlier checkpoints to {prev} (use --resume auto to continue)")
+            self.log_line(f"[train] fresh start: moved the earlier checkpoints to {prev} "
+                          "(use --resume auto to continue)")
         hf = self.run_dir / "hf"
         if hf.is_dir():
             prev = hf.with_name("hf.previous")
@@ -293,7 +294,7 @@ class Trainer:
         p.skipped_steps += 1
         p.nonfinite_in_row += 1
         self.log_line(f"[train] step {p.step}: non-finite {what} (grad norm {self.engine.get_global_grad_norm()}), "
-                   f"step skipped ({p.nonfinite_in_row} in a row, {p.skipped_steps} total)")
+                      f"step skipped ({p.nonfinite_in_row} in a row, {p.skipped_steps} total)")
 
     def _call(self, hook: str, *args) -> list:
         return [getattr(cb, hook)(self, *args) for cb in self.callbacks]
