@@ -11,7 +11,7 @@ TINY_VLM_PRESET = REPO / "configs" / "model" / "vlm_tiny.yaml"
 
 def tokenizer_token_ids(tokenizer) -> dict:
     """The model-config token fields (vocabulary size, text and image ids) the trainer takes from it."""
-    from vlm.training.model_setup import token_ids
+    from vlm.training.build import token_ids
 
     text_ids, image_ids = token_ids(tokenizer)
     return {**text_ids, **image_ids}

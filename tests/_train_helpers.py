@@ -46,13 +46,14 @@ def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, lau
     ``torchrun --standalone`` or the ``deepspeed`` launcher. On timeout the launcher and all its
     workers are killed (``kill_tree``), and the captured output is attached to the raised error."""
     py = sys.executable
+    module = "vlm.reliability.train" if (env or {}).get("VLM_TRAIN_FAULT") else "vlm.train"  # faults: its entry
     if launcher == "python":
-        cmd = [py, "-m", "vlm.train"]
+        cmd = [py, "-m", module]
     elif launcher == "torchrun":
-        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "vlm.train"]
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
     elif launcher == "deepspeed":
         cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port()),
-               "--module", "vlm.train"]
+               "--module", module]
     else:
         raise ValueError(launcher)
     cmd += ["--config", str(config_path), *args]
@@ -82,7 +83,13 @@ def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool 
     cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))
     threads = torch.get_num_threads()
     try:
-        trainer = Trainer(cfg, resume=resume, faults=faults)
+        callbacks = None
+        if faults:  # the reliability entry point's seam (vlm/reliability/train.py)
+            from vlm.reliability.faults import InjectFaults
+            from vlm.training.callbacks.defaults import default_callbacks
+
+            callbacks = [InjectFaults(faults), *default_callbacks()]
+        trainer = Trainer(cfg, resume=resume, callbacks=callbacks)
         try:
             trainer.fit()
             if finish:

@@ -30,7 +30,7 @@ from vlm import ConceptMoEVLMConfig, ConceptMoEVLMForConditionalGeneration
 from vlm.modeling.blocks import TransformerBlock
 from vlm.modeling.conceptmoe import ConceptMoEModel
 from vlm.modeling.modeling_conceptmoe import loss_only
-from vlm.training.checkpointing import apply_activation_checkpointing
+from vlm.training.activation_checkpointing import apply_activation_checkpointing
 from vlm.training.compile import compile_blocks
 
 TOL = 1e-6

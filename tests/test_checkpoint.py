@@ -39,15 +39,15 @@ def test_another_world_size_refusals_are_one_line(tmp_path):
     from vlm.training import reshard
 
     path = _save(FakeEngine(), tmp_path, 2)
-    assert reshard.prepare(path, 1, 2, {}, rank=0, say=print) is None  # same world size: nothing to do
+    assert reshard.prepare(path, 1, 2, {}, rank=0, log_line=print) is None  # same world size: nothing to do
     with pytest.raises(ckpt.ResumeError, match="cannot resume on 2 ranks under ZeRO stage 0") as err:
-        reshard.prepare(path, 2, 0, {}, rank=0, say=print)
+        reshard.prepare(path, 2, 0, {}, rank=0, log_line=print)
     assert "\n" not in str(err.value)
     with pytest.raises(ckpt.ResumeError, match="expert_parallel_size 2: resuming at another world size covers data"):
-        reshard.prepare(path, 2, 2, {}, rank=0, say=print, expert_parallel=2)
+        reshard.prepare(path, 2, 2, {}, rank=0, log_line=print, expert_parallel=2)
     ds: dict = {}
     with pytest.raises(reshard.ReshardError, match="universal checkpoint converter cannot convert") as err:
-        reshard.prepare(path, 2, 2, ds, rank=0, say=print)
+        reshard.prepare(path, 2, 2, ds, rank=0, log_line=print)
     assert "\n" not in str(err.value) and ds == {}
     assert not (path / "universal").exists() and not (path / "universal.tmp").exists() and ckpt.is_complete(path)
 

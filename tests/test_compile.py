@@ -67,7 +67,7 @@ def test_train_compile_steps_equal_eager(tmp_path, monkeypatch):
     def spy(model, dtype, **kw):
         calls.append(dtype)
         return compile_mod.compile_blocks(model, dtype, backend="aot_eager", **kw)
-    monkeypatch.setattr("vlm.training.trainer.compile_blocks", spy)
+    monkeypatch.setattr("vlm.training.prepare.compile_blocks", spy)
     runs = {}
     for name, flag in (("eager", False), ("compiled", True)):
         raw = helpers.config(tmp_path, name=name, train={"max_steps": 3, "compile": flag},

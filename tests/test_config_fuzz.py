@@ -464,7 +464,7 @@ def test_fuzz_train_config(key, data):
     if key != "model.overrides":
         assert_one_line(key, _load_train, key, value)
         return
-    from vlm.training.model_setup import build_model_config  # the model keys are checked where the model is built
+    from vlm.training.build import build_model_config  # the model keys are checked where the model is built
 
     model_key, model_value = value
     cfg = _load_train(f"model.{model_key}", model_value)
@@ -475,7 +475,7 @@ def test_fuzz_train_config(key, data):
 def test_control_characters_in_a_key_stay_one_line():
     """Found by the faults profile: a mapping with a newline key under a model field used to print
     the newline raw (two lines). ConfigError escapes control characters."""
-    from vlm.training.model_setup import build_model_config
+    from vlm.training.build import build_model_config
 
     cfg = _load_train("model.attention.head_dim", {"\n": 0})
     msg = assert_one_line("attention.head_dim", build_model_config, cfg)

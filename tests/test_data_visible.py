@@ -99,7 +99,7 @@ def test_eval_breakdown_by_a_record_field(user_run):
     assert result["breakdown_by"] == "kind" and set(result["by_kind"]) == {"digit", "parity"}
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("|   ")]
     assert "digit" in rows and "parity" in rows  # not the id suffix ("0", "1", ...)
-    from vlm.training.vqa_eval import digits_vqa_accuracy
+    from eval_suites.digits_vqa import digits_vqa_accuracy
 
     module = tr.engine.module
     plain = digits_vqa_accuracy(module, tr.processor, str(data["eval"]), str(data["images"]), limit=3,
@@ -111,7 +111,7 @@ def test_eval_breakdown_by_a_record_field(user_run):
     odd = digits_vqa_accuracy(module, tr.processor, str(data["eval"]), str(data["images"]), limit=2,
                               batch_size=2, max_new_tokens=1, breakdown_by="no_such_field")
     assert odd["by_kind"] == {} and odd["breakdown_missing"] and odd["total"] == 2  # no "(none)" group
-    from vlm.training.finish import summary_table
+    from vlm.training.callbacks.end_of_run import summary_table
 
     table = summary_table("mine", tr.progress, 1.0, 1.0, odd)
     assert "(none)" not in table and "| " + "  by no_such_field" in table and "no record has this field" in table

@@ -13,7 +13,7 @@ import torch
 from vlm.reliability import cases
 from vlm.reliability.harness import TOL
 from vlm.reliability.soak import run_soak
-from vlm.training.fault_injection import (
+from vlm.reliability.faults import (
     ENV,
     NO_FAULTS,
     POINTS,
@@ -55,6 +55,24 @@ def test_faults_fire_only_at_their_point_step_and_rank(tmp_path, monkeypatch):
     assert faults.loss(one, 1, 0) is one
     assert torch.isnan(faults.loss(one, 2, 0)) and faults.loss(one, 2, 1) is one  # rank 0 unless one is named
     assert not NO_FAULTS and faults and set(POINTS) >= {f.point for f in faults.faults}
+
+
+def test_fault_plans_enter_through_the_reliability_entry_point_only(tmp_path, monkeypatch, capsys):
+    """``python -m vlm.train`` refuses a fault plan (one line, exit 2) instead of ignoring it;
+    ``python -m vlm.reliability.train`` reads it, and a malformed one is one line, exit 2."""
+    from vlm.reliability.runs import config, write_config
+    from vlm.reliability.train import main as faulty_main
+    from vlm.train import main
+
+    path = write_config(tmp_path, config(tmp_path, name="plan"), "plan.yaml")
+    monkeypatch.setenv(ENV, "nan:loss:1")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "python -m vlm.reliability.train" in err, err
+    monkeypatch.setenv(ENV, "kill:nowhere:3")
+    assert faulty_main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ENV}: bad fault 'kill:nowhere:3'") and len(err.splitlines()) == 1, err
 
 
 @pytest.fixture(scope="module")

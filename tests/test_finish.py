@@ -1,4 +1,4 @@
-"""After training (vlm/training/finish.py) and a fresh run in the same folder: the export's vision
+"""After training (vlm/training/callbacks/end_of_run.py) and a fresh run in the same folder: the export's vision
 load line names the trained weights it really holds (with their checksum), and a fresh run sets the
 earlier run's export aside (hf.previous) with one line instead of replacing it."""
 from __future__ import annotations

@@ -20,7 +20,7 @@ def test_dry_run_lists_the_steps():
 
 def test_mfu_preset_is_about_1b_parameters_at_8k_packed():
     from vlm.flops.accountant import count_params
-    from vlm.training.model_setup import build_model_config
+    from vlm.training.build import build_model_config
 
     cfg = load_train_config(REPO_ROOT / "configs" / "train" / "gpu_mfu.yaml")
     assert cfg.data.max_length == 8192 and cfg.precision == "bf16" and cfg.train.micro_batch_size == 1

@@ -30,14 +30,14 @@ def _raw(tmp: Path, name: str, **sections) -> dict:
 def lora_run(tmp_path_factory):
     """A 4-step LoRA run (checkpoints at 2 and 4, HF export) and the model's starting weights."""
     from vlm.config.train import load_train_config
-    from vlm.training.model_setup import setup_model
+    from vlm.training.build import setup_model
     from vlm.training.trainer import seed_everything
 
     tmp = tmp_path_factory.mktemp("lora")
     raw = _raw(tmp, "full")
     cfg = load_train_config(raw=raw)
     seed_everything(cfg.seed)  # as the trainer does: the same starting weights
-    start = {k: v.clone() for k, v in setup_model(cfg, say=lambda _: None).model.state_dict().items()}
+    start = {k: v.clone() for k, v in setup_model(cfg, log_line=lambda _: None).model.state_dict().items()}
     trainer = helpers.run_inprocess(raw, tmp, finish=True)
     return tmp, trainer, start
 

@@ -16,7 +16,7 @@ from PIL import Image
 from _sentencepiece import mistral_family_folder
 from test_pretrained_start import _stand_ins
 from vlm.config.train import REPO_ROOT, load_train_config
-from vlm.training.model_setup import build_processor, setup_model
+from vlm.training.build import build_processor, setup_model
 
 FAMILIES = ("mistral", "mixtral")
 TEXT = "What digit is this? It is 7.\nNew line, Ünïcödé"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlm.training import optim
-from vlm.training.model_setup import build_model, build_model_config
+from vlm.training.build import build_model, build_model_config
 from vlm.config.train import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

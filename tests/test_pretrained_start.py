@@ -22,7 +22,7 @@ from _train_helpers import clean_env
 from vlm.config.train import REPO_ROOT, load_train_config
 from vlm.hf_import import map_weights
 from vlm.hf_import.weights import read_safetensors
-from vlm.training.model_setup import setup_model
+from vlm.training.build import setup_model
 
 README_MARK = "<!-- tiny-pretrained-flow -->"
 STEP_OVERRIDES = {"llava_align": ["train.max_steps=6", "log.every_steps=3"],

@@ -233,7 +233,7 @@ def _check_train(args: list[str]) -> str | None:
     from vlm.modeling.config_base import ConfigError
     from vlm.config.train import load_train_config
     from vlm.train import parse_args
-    from vlm.training.model_setup import build_model_config
+    from vlm.training.build import build_model_config
 
     err = io.StringIO()
     try:

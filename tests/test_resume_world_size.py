@@ -125,7 +125,7 @@ def test_two_ranks_to_one(data, two_run, one_run, tmp_path):
     assert state["world_size"] == 1 and state["step"] == 6
     # a second resume at another world size reuses the conversion
     said, ds = [], {}
-    assert reshard.prepare(step3, 3, 2, ds, rank=0, say=said.append) == step3 / "universal"
+    assert reshard.prepare(step3, 3, 2, ds, rank=0, log_line=said.append) == step3 / "universal"
     assert ds == {"checkpoint": {"load_universal": True}} and len(said) == 1 and "loading its universal" in said[0]
 
 

@@ -42,8 +42,8 @@ def test_resume_is_exact_single_process(tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, monkeypatch):
-    from vlm.train import main
-    from vlm.training.fault_injection import ENV, Faults
+    from vlm.reliability.faults import ENV, Faults
+    from vlm.reliability.train import main
 
     raw = helpers.config(tmp_path, name="nan1", train={"max_steps": 5}, checkpoint={"every_steps": 0})
     tr = helpers.run_inprocess(raw, tmp_path, faults=Faults.from_env({ENV: "nan:loss:3"}))

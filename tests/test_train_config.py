@@ -57,7 +57,7 @@ def test_bad_values_name_the_key(override, key):
 
 
 def test_unknown_model_key_is_reported_by_the_model_config():
-    from vlm.training.model_setup import build_model_config
+    from vlm.training.build import build_model_config
 
     cfg = load_train_config(TRAIN / "default.yaml", ["model.num_expertz=4", "model.tokenizer=null"])
     with pytest.raises(ConfigError) as info:

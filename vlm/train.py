@@ -13,6 +13,8 @@ if __name__ == "__main__" and not __package__:  # `deepspeed vlm/train.py`: make
 
 import argparse
 
+FAULT_ENV = "VLM_TRAIN_FAULT"  # read by vlm/reliability/train.py only
+
 USAGE = """\
 The same command runs under every launcher (DeepSpeed is the engine in every mode):
 
@@ -57,7 +59,9 @@ def _quiet_imports() -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
 
 
-def main(argv=None) -> int:
+def main(argv=None, extra_callbacks=()) -> int:
+    """The run; ``extra_callbacks`` run before the default ones (``python -m vlm.reliability.train``
+    passes its fault injection here)."""
     args = parse_args(argv)
     _quiet_imports()
     from vlm.modeling.config_base import ConfigError
@@ -67,18 +71,20 @@ def main(argv=None) -> int:
         ResumeError,
         find_checkpoint,
     )
-    from vlm.training.fault_injection import Faults, FaultSpecError
     from vlm.config.train import load_train_config
 
     try:
         cfg = load_train_config(args.config, args.overrides)
         if args.no_eval:
             cfg.eval.vqa_json = None
-        faults = Faults.from_env(os.environ)  # empty in real runs
+        if os.environ.get(FAULT_ENV):
+            raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
+                              "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
+        from vlm.training.callbacks.defaults import default_callbacks
         from vlm.training.trainer import NonFiniteAbort, Trainer
 
-        trainer = Trainer(cfg, resume=args.resume, faults=faults)
-    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError, FaultSpecError) as err:
+        trainer = Trainer(cfg, resume=args.resume, callbacks=[*extra_callbacks, *default_callbacks()])
+    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     from data_pipelines.mixture import TooMuchBadData

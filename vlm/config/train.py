@@ -63,7 +63,7 @@ class PartFlags(Section):
 class ModelSection(Section):
     kind: Literal["vlm", "lm"] = "vlm"
     preset: Text | None = "configs/model/vlm_tiny.yaml"  # null: the architecture of init_from's export
-    llm: Text | None = None  # pretrained language model: a transformers or ConceptMoE folder (model_setup.py)
+    llm: Text | None = None  # pretrained language model: a transformers or ConceptMoE folder (vlm/training/build.py)
     tokenizer: Text | None = None  # HF tokenizer folder: vocab size and special-token ids; null = llm's own
     init_from: Text | None = None  # an HF export (save_pretrained folder): start from its weights
     overrides: dict = {}  # every other key of the section, dotted
@@ -138,7 +138,7 @@ class TrainSection(Section):
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
     lora: LoraSection | None = None  # null = off (full training of the lm part)
     compile: bool = False  # torch.compile each transformer block (vlm/training/compile.py)
-    # recompute in the backward: each block's FFN half (selective) or whole block (full); vlm/training/checkpointing.py
+    # recompute in the backward: each block's FFN half (selective) or whole block (full); vlm/training/activation_checkpointing.py
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
 
 

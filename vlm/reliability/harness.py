@@ -4,6 +4,7 @@ tiny VLM, so one reference run serves all of them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import yaml
 
 from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
+from vlm.reliability.faults import ENV
 from vlm.training.distributed import free_port
 from vlm.config.train import REPO_ROOT
 
@@ -45,20 +47,21 @@ class Run:
         self.run_dir = Path(raw["output_dir"]) / raw["name"]
         self.ckpt_dir = self.run_dir / "ckpt"
         args = ["--config", str(self.config)] + (["--resume", resume] if resume else [])
-        env = runs.clean_env(**({"VLM_TRAIN_FAULT": fault} if fault else {}))
+        env = runs.clean_env(**({ENV: fault} if fault else {}))
+        module = "vlm.reliability.train" if fault else "vlm.train"  # the fault plan's entry point
         attempt = len(list(self.config.parent.glob(f"{raw['name']}.*.log")))
         self.logs: list[Path] = []
         self.procs: list[subprocess.Popen] = []
         py = sys.executable
         if launcher == "torchrun":
-            cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "vlm.train"]
+            cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
             self._spawn(cmd + args, env, self.config.parent / f"{raw['name']}.{attempt}.log")
         elif launcher == "manual":
             port = str(free_port())
             for rank in range(nproc):
                 renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-                self._spawn([py, "-m", "vlm.train", *args], renv,
+                self._spawn([py, "-m", module, *args], renv,
                             self.config.parent / f"{raw['name']}.{attempt}.rank{rank}.log")
         else:
             raise ValueError(launcher)
@@ -140,7 +143,7 @@ class Run:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if (f"RANK={rank}".encode() in environ and b"vlm.train" in cmdline
+            if (f"RANK={rank}".encode() in environ and re.search(rb"vlm\.(reliability\.)?train", cmdline)
                     and b"torch.distributed.run" not in cmdline and _descends_from(int(entry.name), root)):
                 return int(entry.name)
         raise RuntimeError(f"{self.run_dir.name}: no worker with RANK={rank}")

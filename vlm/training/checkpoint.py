@@ -5,23 +5,40 @@ layout and the save protocol are in ``save``'s docstring."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vlm.modeling.safe_loading import read_json
-from vlm.training.fault_injection import NO_FAULTS, Faults
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
+
+
+class SaveHook:
+    """Called by ``save`` at its named points (``ckpt.after_engine``, ``ckpt.rank_state``, ...: the
+    points are listed in ``vlm.reliability.faults``, which injects faults there); this one does nothing."""
+
+    def at(self, point: str, step: int, rank: int, path: str | os.PathLike | None = None) -> None:
+        """Point ``point`` of the save of ``step`` on ``rank``; ``path``: the file a write point writes."""
+
+    @contextlib.contextmanager
+    def engine_writer(self, engine, step: int, rank: int) -> Iterator[None]:
+        """Around ``engine.save_checkpoint`` (DeepSpeed's own writer)."""
+        yield
+
+
+NO_HOOK = SaveHook()
 
 
 def step_dir_name(step: int) -> str:
@@ -220,7 +237,7 @@ def _write_error(ckpt_dir: Path, name: str, cause: str) -> CheckpointWriteError:
 
 
 def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_state: dict,
-         keep_last: int = 2, rank: int = 0, world_size: int = 1, faults: Faults = NO_FAULTS) -> Path:
+         keep_last: int = 2, rank: int = 0, world_size: int = 1, hook: SaveHook = NO_HOOK) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder; raises
     ``CheckpointWriteError`` on every rank if any rank's write failed.
 
@@ -253,7 +270,7 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
     ``CheckpointWriteError``: the ranks agree through one all-gather, the half-written ``.tmp`` folder
     is removed, ``latest`` is never pointed at it, and the previous checkpoint stays the newest.
 
-    ``faults`` (tests and ``make faults`` only) is called at the ``ckpt.*`` fault points."""
+    ``hook`` is called at the ``ckpt.*`` points (``SaveHook``)."""
     ckpt_dir = Path(ckpt_dir)
     name = step_dir_name(step)
     final, tmp = ckpt_dir / name, ckpt_dir / f"{name}.tmp"
@@ -264,7 +281,7 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
     _barrier()
     err: OSError | None = None
     try:
-        with faults.engine_writer(engine, step, rank):
+        with hook.engine_writer(engine, step, rank):
             engine.save_checkpoint(str(ckpt_dir), tag=tmp.name, client_state={}, save_latest=False)
     except OSError as e:
         # DeepSpeed writes between its tag-validation collective and a closing barrier, which this
@@ -272,10 +289,10 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
         err = e
         _barrier()
     if err is None:
-        faults.at("ckpt.after_engine", step, rank)
+        hook.at("ckpt.after_engine", step, rank)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            faults.at("ckpt.rank_state", step, rank, tmp / rank_file(rank))
+            hook.at("ckpt.rank_state", step, rank, tmp / rank_file(rank))
             write_json(tmp / rank_file(rank), {"rank": rank, "step": step, **rank_state})
         except OSError as e:
             err = e
@@ -288,7 +305,7 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
     if rank == 0:
         try:
             state = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size, **trainer_state}
-            _commit(ckpt_dir, name, step, tmp, final, state, keep_last, faults)
+            _commit(ckpt_dir, name, step, tmp, final, state, keep_last, hook)
         except OSError as e:
             err = e
     cause = _first_error(err, rank)
@@ -298,16 +315,16 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, rank_stat
 
 
 def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state: dict, keep_last: int,
-            faults: Faults) -> None:
+            hook: SaveHook) -> None:
     """Rank 0: trainer_state.json, fsync, rename, ``latest``, prune. On an OSError before the rename
     the tmp folder is removed; after it, the new checkpoint is complete (``find_checkpoint`` takes it
     even if ``latest`` could not be updated)."""
     try:
-        faults.at("ckpt.before_state", step, 0)
-        faults.at("ckpt.trainer_state", step, 0, tmp / TRAINER_STATE)
+        hook.at("ckpt.before_state", step, 0)
+        hook.at("ckpt.trainer_state", step, 0, tmp / TRAINER_STATE)
         write_json(tmp / TRAINER_STATE, state)
         fsync_tree(tmp)
-        faults.at("ckpt.before_rename", step, 0)
+        hook.at("ckpt.before_rename", step, 0)
         if final.exists():  # re-saving the same step (e.g. resumed at the final step): replace it
             old = ckpt_dir / f"{name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -320,15 +337,15 @@ def _commit(ckpt_dir: Path, name: str, step: int, tmp: Path, final: Path, state:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(ckpt_dir)
-    faults.at("ckpt.before_latest", step, 0)
+    hook.at("ckpt.before_latest", step, 0)
     try:
-        faults.at("ckpt.latest", step, 0, ckpt_dir / (LATEST + ".tmp"))
+        hook.at("ckpt.latest", step, 0, ckpt_dir / (LATEST + ".tmp"))
         atomic_write_text(ckpt_dir / LATEST, name + "\n")
     except OSError:
         (ckpt_dir / (LATEST + ".tmp")).unlink(missing_ok=True)
         raise
     prune(ckpt_dir, keep_last, protect=final)
-    faults.at("ckpt.after_save", step, 0)
+    hook.at("ckpt.after_save", step, 0)
 
 
 def prune(ckpt_dir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:

@@ -1,5 +1,5 @@
 """Data loaders for the trainer: the real mixture (``data_pipelines.mixture``) or a synthetic,
-deterministic and resumable one. The model side is in ``model_setup.py``."""
+deterministic and resumable one. The model side is in ``build.py``."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -7,7 +7,7 @@ from vlm.modeling.vision_hub import load_line_muted, log_load
 from vlm.modeling.safe_loading import load_state_dict_checked
 from vlm.training import lora
 from vlm.training.expert_parallel import full_state_dict, is_expert_parallel
-from vlm.training.model_setup import build_model
+from vlm.training.build import build_model
 from vlm.training.state import RunContext
 
 

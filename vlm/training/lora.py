@@ -64,7 +64,7 @@ def is_lora_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply(model: nn.Module, cfg, trainable: set[str], say=print) -> dict[str, int]:
+def apply(model: nn.Module, cfg, trainable: set[str], log_line=print) -> dict[str, int]:
     """``train.lora``: inject the adapters, freeze per part (``optim.apply_freeze``), then freeze every
     lm parameter except the adapters. Returns the trainable counts per part; logs one line."""
     if "lm" not in trainable:
@@ -80,9 +80,9 @@ def apply(model: nn.Module, cfg, trainable: set[str], say=print) -> dict[str, in
     n_lora = sum(p.numel() for n, p in model.named_parameters() if is_lora_param(n))
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
     lc = cfg.train.lora
-    say(f"[train] LoRA r={lc.r} alpha={lc.alpha:g} dropout={lc.dropout:g} on {len(names)} linear layers of the "
-        f"language model ({', '.join(leaves)}): {n_lora:,} adapter parameters; trainable {sum(counts.values()):,} "
-        f"(" + ", ".join(f"{p} {counts[p]:,}" for p in optim.PARTS if counts[p]) + ")")
+    log_line(f"[train] LoRA r={lc.r} alpha={lc.alpha:g} dropout={lc.dropout:g} on {len(names)} linear layers of the "
+             f"language model ({', '.join(leaves)}): {n_lora:,} adapter parameters; trainable {sum(counts.values()):,} "
+             f"(" + ", ".join(f"{p} {counts[p]:,}" for p in optim.PARTS if counts[p]) + ")")
     return counts
 
 

@@ -171,17 +171,17 @@ class MfuMeter:
     """MFU = achieved model FLOP/s / (peak FLOP/s per device x devices). Above 100% the peak is wrong (below
     what ran): that window gets no MFU, and the first such window says so in one line."""
 
-    def __init__(self, peak_per_device: float, devices: int, peak_label: str, say=print):
+    def __init__(self, peak_per_device: float, devices: int, peak_label: str, log_line=print):
         self.peak_total = peak_per_device * devices
-        self.peak_label, self.say, self.warned = peak_label, say, False
+        self.peak_label, self.log_line, self.warned = peak_label, log_line, False
 
     def __call__(self, flops_per_s: float, step: int) -> dict:
         mfu = flops_per_s / self.peak_total
         if mfu <= 1.0:
             return {"mfu": mfu}
         if not self.warned:
-            self.say(f"[train] step {step}: no MFU: the model's {flops_per_s:.3g} FLOP/s exceed the peak "
-                     f"({self.peak_label}) x devices; set log.peak_flops to the device's real peak")
+            self.log_line(f"[train] step {step}: no MFU: the model's {flops_per_s:.3g} FLOP/s exceed the peak "
+                          f"({self.peak_label}) x devices; set log.peak_flops to the device's real peak")
             self.warned = True
         return {}
 

@@ -53,7 +53,7 @@ def universal_dir(path: str | Path) -> Path:
     return Path(path) / UNIVERSAL
 
 
-def prepare(path: Path | None, world_size: int, zero_stage: int, ds_config: dict, rank: int, say,
+def prepare(path: Path | None, world_size: int, zero_stage: int, ds_config: dict, rank: int, log_line,
             expert_parallel: int = 1) -> Path | None:
     """Collective, before ``deepspeed.initialize``. For a checkpoint written by another world size:
     convert it once (rank 0; the others wait), set ``ds_config["checkpoint"]["load_universal"]``
@@ -78,13 +78,13 @@ def prepare(path: Path | None, world_size: int, zero_stage: int, ds_config: dict
     if rank == 0 and not out.is_dir():
         try:
             convert(path, out)
-            say(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: converted it "
-                f"once to DeepSpeed's universal checkpoint {out}")
+            log_line(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: converted it "
+                     f"once to DeepSpeed's universal checkpoint {out}")
         except ReshardError as e:
             err = str(e)
     elif rank == 0:
-        say(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: loading its "
-            f"universal checkpoint {out}")
+        log_line(f"[train] checkpoint {path} was written by {saved} ranks, this run has {world_size}: loading its "
+                 f"universal checkpoint {out}")
     err = _agree(err)
     if err is not None:
         raise ReshardError(err)

@@ -1,4 +1,4 @@
-"""Typed state the trainer hands to its helpers (``periodic.py``, ``finish.py``): what is fixed
+"""Typed state the trainer hands to its helpers (``callbacks/``): what is fixed
 for a run (``RunContext``) and the counters that advance with training and go into every
 checkpoint (``Progress``)."""
 from __future__ import annotations
@@ -58,4 +58,4 @@ class RunContext:
     model_config: Any             # ConceptMoEVLMConfig or ConceptMoEConfig
     processor: Any | None         # ConceptMoEVLMProcessor (VLM) or None
     tokenizer: Any | None
-    say: Callable[[str], None]    # a line for the console / log (rank 0 only; others ignore it)
+    log_line: Callable[[str], None]  # a line for the console / log (rank 0 only; others ignore it)

@@ -1,6 +1,7 @@
-"""In-training hooks run on rank 0 with the current weights: a boundary picture every
-``log.visualize_every`` steps and a held-out VQA score every ``eval.every_steps`` steps. Under
-expert parallelism rank 0 runs an unsharded copy of the gathered weights (``gathered.scoring_model``)."""
+"""In-training callbacks run on rank 0 with the current weights: a boundary picture every
+``log.visualize_every`` steps (``BoundaryPictures``) and a held-out VQA score every ``eval.every_steps``
+steps but the last (``PeriodicEval``). Under expert parallelism rank 0 runs an unsharded copy of the
+gathered weights (``gathered.scoring_model``)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm.training.callbacks.base import Callback, StepEnd
 from vlm.training.distributed import barrier
 from vlm.training.gathered import scoring_model
 from vlm.training.state import RunContext
@@ -47,7 +49,7 @@ def boundary_picture(ctx: RunContext, step: int, tb: Any | None = None) -> None:
             arr = torch.from_numpy(np.array(picture.convert("RGB"))).permute(2, 0, 1)
             tb.add_image("boundaries", arr, step)
     except Exception as err:  # noqa: BLE001 - an optional picture must never stop training
-        ctx.say(f"[train] boundary picture skipped: {type(err).__name__}: {err}")
+        ctx.log_line(f"[train] boundary picture skipped: {type(err).__name__}: {err}")
 
 
 def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> None:
@@ -59,7 +61,7 @@ def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> Non
     if ctx.zero_stage < 3 and e.vqa_json and ctx.processor is not None:  # the same on every rank
         model = scoring_model(ctx)
     if model is not None:
-        from vlm.training.vqa_eval import digits_vqa_accuracy
+        from eval_suites.digits_vqa import digits_vqa_accuracy
 
         t0 = time.perf_counter()
         res = digits_vqa_accuracy(model, ctx.processor, e.vqa_json, e.image_root or "",
@@ -69,5 +71,19 @@ def periodic_vqa(ctx: RunContext, step: int, log: Callable[[dict], None]) -> Non
              **{f"eval_vqa_{k}": v for k, v in res["by_kind"].items()},
              **{f"eval_{k}": res[k] for k in ("ratio", "ratio_image", "ratio_text") if k in res},
              "eval_time_s": time.perf_counter() - t0})
-        ctx.say(f"[train] step {step}: held-out VQA {res['accuracy']:.1%} on {res['total']} questions")
+        ctx.log_line(f"[train] step {step}: held-out VQA {res['accuracy']:.1%} on {res['total']} questions")
     barrier()
+
+
+class BoundaryPictures(Callback):
+    def on_step_end(self, trainer, step: StepEnd) -> None:
+        every = trainer.cfg.log.visualize_every
+        if every and step.step % every == 0:
+            boundary_picture(trainer.ctx, step.step, trainer.logger.tb)
+
+
+class PeriodicEval(Callback):
+    def on_step_end(self, trainer, step: StepEnd) -> None:
+        every = trainer.cfg.eval.every_steps
+        if every and step.step % every == 0 and not step.last:
+            periodic_vqa(trainer.ctx, step.step, trainer.logger.log)

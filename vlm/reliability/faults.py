@@ -1,6 +1,7 @@
-"""Fault injection for the reliability suite (``make faults``) and tests; empty in real runs. One
-``Faults`` object is built at start-up from ``VLM_TRAIN_FAULT`` (spec in ``parse``) and passed to the
-code that has fault points, which calls e.g. ``faults.at("ckpt.before_rename", step, rank)``."""
+"""Fault injection for the reliability suite (``make faults``) and tests. One ``Faults`` plan is built
+at start-up from ``VLM_TRAIN_FAULT`` (spec in ``parse``) by ``python -m vlm.reliability.train``, which
+hands it to the trainer through two seams: the checkpoint writer's hook (``checkpoint.SaveHook``: e.g.
+``faults.at("ckpt.before_rename", step, rank)``) and a callback (``InjectFaults``: the NaN loss)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,11 @@ import signal
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-ENV = "VLM_TRAIN_FAULT"
+from vlm.train import FAULT_ENV
+from vlm.training.callbacks.base import Callback
+from vlm.training.checkpoint import SaveHook
+
+ENV = FAULT_ENV
 # (action, name in the spec) -> fault point in the code
 SPEC_POINTS = {
     **{("kill", p): f"ckpt.{p}" for p in ("after_engine", "before_state", "before_rename", "before_latest",
@@ -72,7 +77,7 @@ def parse(spec: str | None) -> list[Fault]:
     return out
 
 
-class Faults:
+class Faults(SaveHook):
     """The faults of one process. Every method is a no-op unless a fault names that point, step and
     rank; ``Faults()`` (also ``bool(faults) is False``) injects nothing."""
 
@@ -138,3 +143,17 @@ class Faults:
 
 
 NO_FAULTS = Faults()
+
+
+class InjectFaults(Callback):
+    """The plan ``faults`` in a training run: its ``ckpt.*`` points on the trainer's checkpoint writer
+    (``Trainer.save_hook``), ``train.loss`` on the loss of every micro-batch of its step."""
+
+    def __init__(self, faults: Faults):
+        self.faults = faults
+
+    def on_fit_start(self, trainer) -> None:
+        trainer.save_hook = self.faults
+
+    def on_micro_batch(self, trainer, out, batch: dict) -> None:
+        out.loss = self.faults.loss(out.loss, trainer.step + 1, trainer.rank)

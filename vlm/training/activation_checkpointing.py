@@ -23,7 +23,7 @@ from vlm.modeling.conceptmoe import ConceptMoEModel
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     """``mode`` on every ConceptMoE backbone in ``model`` (a VLM's language model too); returns the
-    number of transformer blocks it now applies to (0 for ``none``)."""
+    number of transformer blocks it applies to (0 for ``none``)."""
     backbones = [m for m in model.modules() if isinstance(m, ConceptMoEModel)]
     n = sum(b.set_activation_checkpointing(mode) for b in backbones)
     return 0 if mode == "none" else n

@@ -1,5 +1,6 @@
-"""After training: the Hugging Face export (gathered under ZeRO-3 / expert parallelism), the held-out
-VQA evaluation of the exported (or trained) model, and the summary table / summary.json."""
+"""After training (``EndOfRun``, run by ``Trainer.finish``): the Hugging Face export (gathered under
+ZeRO-3 / expert parallelism), the held-out VQA evaluation of the exported (or trained) model, and the
+summary table / summary.json."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+from vlm.training.callbacks.base import Callback
 from vlm.training.distributed import barrier
 from vlm.training.gathered import gather_state, scoring_model, unsharded_model
 from vlm.training.state import Progress, RunContext
@@ -24,7 +26,7 @@ def export_hf(ctx: RunContext) -> Path:
             ctx.processor.save_pretrained(str(out_dir))
         elif ctx.tokenizer is not None:
             ctx.tokenizer.save_pretrained(str(out_dir))
-        ctx.say(f"[train] exported Hugging Face model to {out_dir}")
+        ctx.log_line(f"[train] exported Hugging Face model to {out_dir}")
     barrier()
     return out_dir
 
@@ -42,7 +44,7 @@ def _eval_model(ctx: RunContext, hf_dir: Path | None):
     model = scoring_model(ctx)
     if model is not None and model is not ctx.module:
         why = "ZeRO-3" if ctx.zero_stage == 3 else "expert parallelism"
-        ctx.say(f"[train] eval: on an unsharded copy of the gathered weights ({why}, no export)")
+        ctx.log_line(f"[train] eval: on an unsharded copy of the gathered weights ({why}, no export)")
     return model
 
 
@@ -52,7 +54,7 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
     e = ctx.cfg.eval
     result = None
     if e.vqa_json and ctx.cfg.model.kind == "vlm" and ctx.processor is not None:  # the same on every rank
-        from vlm.training.vqa_eval import digits_vqa_accuracy
+        from eval_suites.digits_vqa import digits_vqa_accuracy
 
         model = _eval_model(ctx, hf_dir)
         if model is not None:
@@ -121,3 +123,8 @@ def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float)
                        "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}
+
+
+class EndOfRun(Callback):
+    def on_train_end(self, trainer) -> dict:
+        return finish(trainer.ctx, trainer.progress, trainer.peak_label, trainer.t_start)

@@ -1,0 +1,65 @@
+"""``prepare_model``: the in-place changes that make a built model (``build.setup_model``) ready for
+the DeepSpeed engine, in one order:
+
+1. freeze / LoRA (``optim.apply_freeze``, ``lora.apply``): the adapters replace linear layers inside
+   the blocks, so everything after sees the final modules, and the trainable flags are set before
+   anything reads them;
+2. loss-only (``modeling.hf.loss_only``): training reads the losses and boundaries, never logits
+   (chunked CE, no [B, T, V]);
+3. recompute (``activation_checkpointing``): the checkpoint call sits in the block's forward ...
+4. ... so ``compile`` (``train.compile``) traces it with the block (and the LoRA adapters);
+5. expert parallelism (``expert_parallel``): each MoE layer keeps this rank's experts (the parameter
+   counts are taken before, over the whole model);
+6. ZeRO-3 leaves (``zero3.prepare_zero3``): on the final module types, with the vision tower's
+   trainable flag known. Expert parallelism and ZeRO-3 exclude each other (``check_supported``).
+
+After ``deepspeed.initialize`` the trainer registers ZeRO-3's external parameters on the engine's
+module (``zero3.register_zero3_external``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from vlm.config.train import TrainConfig
+from vlm.modeling.modeling_conceptmoe import loss_only
+from vlm.training import lora, optim
+from vlm.training.activation_checkpointing import apply_activation_checkpointing
+from vlm.training.compile import compile_blocks
+from vlm.training.expert_parallel import apply_expert_parallel, check_supported
+from vlm.training.zero3 import prepare_zero3
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters per part (``optim.PARTS``) of the whole model: all of them, and those that train."""
+
+    total: dict[str, int]
+    trainable: dict[str, int]
+
+
+def prepare_model(model: nn.Module, cfg: TrainConfig, *, zero_stage: int, world_size: int, dtype: torch.dtype,
+                  log_line: Callable[[str], None] = print) -> ParamCounts:
+    """Steps 1-6 above on ``model``, in place, each that applies logging one line where it says more
+    than the config."""
+    trainable = optim.trainable_parts(cfg)
+    trainable_counts = (lora.apply(model, cfg, trainable, log_line) if cfg.train.lora
+                        else optim.apply_freeze(model, trainable))
+    loss_only(model)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        n = compile_blocks(model, dtype)
+        log_line(f"[train] train.compile: {n} transformer blocks compiled (torch.compile)")
+    counts = ParamCounts(total=optim.count_params(model), trainable=trainable_counts)
+    ep_size = cfg.parallel.expert_parallel_size
+    if ep_size > 1:
+        check_supported(cfg, world_size, model, zero_stage)
+        n = apply_expert_parallel(model, ep_size)
+        log_line(f"[train] expert parallelism: the experts of {n} MoE layers sharded over groups of "
+                 f"{ep_size} ranks (dropless all-to-all)")
+    if zero_stage == 3:
+        prepare_zero3(model)
+    return counts
