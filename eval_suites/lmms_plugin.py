@@ -106,8 +106,8 @@ class ConceptMoEVLMEval(lmms):
         apply_lmms_eval_compat()
 
         self._device_str = resolve_device(device)
-        if self._device_str == "cpu":  # the trainer's policy (vlm/training/distributed.py), one line
-            from vlm.training.distributed import apply_cpu_threads
+        if self._device_str == "cpu":  # the trainer's policy (vlm/config/threads.py), one line
+            from vlm.config.threads import apply_cpu_threads
 
             print(f"[conceptmoe_vlm] {apply_cpu_threads(as_cpu_threads(cpu_threads))}", flush=True)
         if isinstance(pretrained, (str, os.PathLike)):

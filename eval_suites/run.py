@@ -17,6 +17,8 @@ import sys
 import time
 from importlib import metadata
 
+from torch.distributed.elastic.utils.distributed import get_free_port
+
 from eval_suites.common import (
     LOCAL_TASK_PREFIX,
     REPO_ROOT,
@@ -69,8 +71,7 @@ def subprocess_env(args, data_eval_dir: str) -> dict:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # lmms-eval starts a one-process group: give every run its own port, never an inherited one
     # (two runs at once, or a parent that already holds MASTER_PORT, would collide)
-    from vlm.training.distributed import free_port
-    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(get_free_port())
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
-        from vlm.training.distributed import apply_cpu_threads
+        from vlm.config.threads import apply_cpu_threads
 
         print(f"[text_eval] {apply_cpu_threads(cpu_threads)}", flush=True)
     result = evaluate_text(args.checkpoint, args.text, args.seq_len, args.batch_size, args.max_tokens,

@@ -10,7 +10,7 @@ import torch
 
 from _data_helpers import tiny_tokenizer
 from _eval_helpers import build_tiny_vlm, make_tiny_checkpoint
-from vlm.training.distributed import apply_cpu_threads
+from vlm.config.threads import apply_cpu_threads
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import torch
 
+from vlm.config.threads import apply_cpu_threads
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -68,23 +70,6 @@ def set_default_collective_timeout(timeout_s: int) -> None:
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(c10d, name, None), timedelta):
             setattr(c10d, name, timeout)
-
-
-def apply_cpu_threads(cpu_threads: int | None, processes: int = 1) -> str:
-    """The CPU thread policy of every process that runs the model (training, evaluation, generation):
-    ``cpu_threads`` when given, else ``OMP_NUM_THREADS`` when set (torch already follows it), else the
-    cores shared by the ``processes`` of this machine. Sets torch's intra-op threads; returns one line
-    saying how many and why."""
-    if cpu_threads:
-        torch.set_num_threads(int(cpu_threads))
-        why = f"cpu_threads={cpu_threads}"
-    elif "OMP_NUM_THREADS" in os.environ:
-        why = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
-    else:
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(processes, 1)))
-        why = f"{cores} cores / {processes} process{'es' if processes != 1 else ''}"
-    return f"cpu threads: {torch.get_num_threads()} ({why})"
 
 
 def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None = None) -> dict:
