@@ -227,7 +227,7 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, fused):
     fp32 forward and backward (input and the three expert stacks), empty segments included. ``tail``
     rows after the last segment belong to no expert (padding): unspecified outputs, compared on
     the segments only, and they take no part in the weight gradients. ``fused``: gate and up as one
-    grouped GEMM (``FusedGateUp``, its own backward), the same figures."""
+    grouped GEMM (``expert_mlp.GroupedSwiGLU``, its own backward), the same figures."""
     monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else None)
     E, I = len(sizes), 24
     n = sum(sizes)

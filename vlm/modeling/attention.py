@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from .configuration_conceptmoe import AttentionConfig
 from .varlen import DocLayout, doc_attention
 
+from .rms_norm import rms_norm
+
 IMPL = "varlen"  # "varlen": DocLayout for packed / padded rows | "dense": the T x T reference mask
 
 
@@ -33,9 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # fp32 math; keeps one [.., D] tensor less for the backward
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None):
