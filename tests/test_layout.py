@@ -92,6 +92,7 @@ def test_package_files_are_short():
 
 
 @pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.integration  # a fresh interpreter per package
 def test_each_package_imports_first(package):
     """Imported first in a fresh interpreter (then every module of it): a cycle through a package's
     ``__init__`` (which the graph above does not model) fails here."""
