@@ -22,6 +22,14 @@ PRESETS = ROOT / "configs" / "model"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_per_file():
+    """Every test file starts at the one thread above: the evaluation plugin applies the CPU thread
+    policy (all cores, process-wide), which would otherwise hold for every later file of the session."""
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed_fp32():
     torch.manual_seed(0)
