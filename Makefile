@@ -47,7 +47,7 @@ test: test-unit
 	$(PY) -m pytest -m integration $(PYTEST_ARGS)
 
 test-unit: $(DATA_STAMP)
-	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
 train-vlm: $(DATA_STAMP)
 	$(PY) -m vlm.train --config $(CONFIG)
@@ -70,7 +70,7 @@ compare: $(DATA_STAMP)
 # fault injection + soak (table in runs/faults/faults.md), then the input fuzzers at 10x their CI size
 faults: $(DATA_STAMP)
 	$(PY) -m vlm.reliability --out runs/faults
-	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/test_fuzz_inputs.py tests/test_config_fuzz.py
+	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/unit/data_pipelines/test_fuzz_inputs.py tests/unit/config/test_config_fuzz.py
 
 # the GPU check's wheels for a bare, offline GPU machine (scripts/gpu_check.sh; carry .gpu_kit)
 gpu-kit: $(STAMP)

@@ -4,7 +4,7 @@ Starting from the check's entry points (the device-marked test files, ``vlm.trai
 metrics scripts, the benchmark modules, the default-data builder), every ``import`` / ``from ...
 import`` statement is read with ``ast`` - module level and function-local alike - and project
 modules are followed. What is left is the set of top-level third-party module names; the kit
-test (tests/test_gpu_kit.py) maps them to distributions and requires each to be on the GPU image
+test (tests/unit/tools/test_gpu_kit.py) maps them to distributions and requires each to be on the GPU image
 or in the kit.
 
     python -m scripts.gpu.import_walk                  # one third-party module name a line

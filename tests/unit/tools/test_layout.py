@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("vlm", "vision_encoders", "data_pipelines", "eval_suites", "benchmarks")
 MAX_LINES = 400
 
