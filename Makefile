@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data test train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal
+.PHONY: setup data test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal
 
 setup: $(STAMP)
 
@@ -41,8 +41,13 @@ $(DATA_STAMP): $(STAMP) data_pipelines/default_data.py
 $(EVAL_DATA_STAMP): $(DATA_STAMP) eval_suites/build_tasks.py
 	$(PY) -m eval_suites.build_tasks --data $(DATA_DIR) --out $(DATA_DIR)/eval --force
 
-test: $(DATA_STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+# two tiers (pyproject's `integration` marker): the in-process unit tests (a few minutes on 2 cores, run on
+# every change), then the integration tests that launch processes or ranks; CI (.ci/run) runs both
+test: test-unit
+	$(PY) -m pytest -m integration $(PYTEST_ARGS)
+
+test-unit: $(DATA_STAMP)
+	$(PY) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
 train-vlm: $(DATA_STAMP)
 	$(PY) -m vlm.train --config $(CONFIG)
@@ -65,7 +70,7 @@ compare: $(DATA_STAMP)
 # fault injection + soak (table in runs/faults/faults.md), then the input fuzzers at 10x their CI size
 faults: $(DATA_STAMP)
 	$(PY) -m vlm.reliability --out runs/faults
-	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/test_fuzz_inputs.py tests/test_config_fuzz.py
+	VLM_FUZZ_PROFILE=faults $(PY) -m pytest -q tests/unit/data_pipelines/test_fuzz_inputs.py tests/unit/config/test_config_fuzz.py
 
 # the GPU check's wheels for a bare, offline GPU machine (scripts/gpu_check.sh; carry .gpu_kit)
 gpu-kit: $(STAMP)

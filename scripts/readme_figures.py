@@ -11,7 +11,7 @@
 R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
 (``prefill.json``, ``decode.json``: written by ``make bench``). ``--check`` (and
-tests/test_readme_figures.py) compares.
+tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A stand-in for DeepSpeed's engine in checkpoint tests (tests/test_checkpoint.py,
-tests/test_safe_loading.py): ``checkpoint.save`` / ``load`` run for real, the engine files are fakes."""
+"""A stand-in for DeepSpeed's engine in checkpoint tests (tests/unit/training/test_checkpoint.py,
+tests/unit/training/test_safe_loading.py): ``checkpoint.save`` / ``load`` run for real, the engine files are fakes."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Test fixtures for the evaluation tests (tests/test_eval_*.py): tiny random ConceptMoE-VL checkpoints
+"""Test fixtures for the evaluation tests (tests/*/eval_suites/test_eval_*.py): tiny random ConceptMoE-VL checkpoints
 and the task data, made once per pytest session."""
 from __future__ import annotations
 

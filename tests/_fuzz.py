@@ -1,11 +1,11 @@
-"""Hypothesis settings for the fuzz tests (tests/test_fuzz_inputs.py, tests/test_config_fuzz.py).
+"""Hypothesis settings for the fuzz tests (tests/unit/data_pipelines/test_fuzz_inputs.py, tests/unit/config/test_config_fuzz.py).
 
 Two profiles, chosen with the environment variable ``VLM_FUZZ_PROFILE``:
 
 * ``ci`` (default): ``derandomize=True`` (the same examples on every run, so CI is deterministic),
   ``deadline=None`` (a busy machine must not turn slowness into failures), no example database.
 * ``faults``: 8x the examples of every test, random (not derandomized) exploration; a failure
-  prints the ``@reproduce_failure`` blob to replay it. ``VLM_FUZZ_PROFILE=faults pytest tests/test_fuzz_inputs.py``.
+  prints the ``@reproduce_failure`` blob to replay it. ``VLM_FUZZ_PROFILE=faults pytest tests/unit/data_pipelines/test_fuzz_inputs.py``.
 
 Tests write ``@settings(FUZZ, max_examples=examples(n))``: ``n`` is the ci count, scaled by the
 profile. ``count(name)`` tallies the examples a test really ran (hypothesis stops early when a

@@ -1,4 +1,4 @@
-"""Stand-in for the launchers a README code block calls (tests/test_readme_blocks.py puts it in front of
+"""Stand-in for the launchers a README code block calls (tests/integration/docs/test_readme_blocks.py puts it in front of
 ``.venv/bin/python``, ``.venv/bin/torchrun``, ``torchrun``, ``deepspeed`` and ``make`` in a scratch folder).
 
 Every command line is appended to ``$README_SHIM_LOG`` (JSON lines). With ``README_SHIM_MODE=check`` nothing

@@ -22,6 +22,14 @@ PRESETS = ROOT / "configs" / "model"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_per_file():
+    """Every test file starts at the one thread above: the evaluation plugin applies the CPU thread
+    policy (all cores, process-wide), which would otherwise hold for every later file of the session."""
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed_fp32():
     torch.manual_seed(0)
@@ -89,3 +97,22 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(items):
+    """The integration tier: every test under tests/integration/ is marked ``integration`` (pyproject's
+    marker; tests/unit/ marks its few by hand), so ``make test-unit`` (``-m "not integration"``) leaves
+    them out and ``make test`` runs them after the unit tier."""
+    integration = ROOT / "tests" / "integration"
+    for item in items:
+        if integration in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.integration)
+
+
+# Test modules import helpers from each other by file name (``from test_generation import fractional``;
+# names are unique under tests/): every folder that holds test files is on sys.path, as pytest's prepend
+# import mode puts only the importing file's own folder there.
+for _folder in sorted({p.parent for p in Path(__file__).resolve().parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))

@@ -4,7 +4,7 @@ Starting from the check's entry points (the device-marked test files, ``vlm.trai
 metrics scripts, the benchmark modules, the default-data builder), every ``import`` / ``from ...
 import`` statement is read with ``ast`` - module level and function-local alike - and project
 modules are followed. What is left is the set of top-level third-party module names; the kit
-test (tests/test_gpu_kit.py) maps them to distributions and requires each to be on the GPU image
+test (tests/unit/tools/test_gpu_kit.py) maps them to distributions and requires each to be on the GPU image
 or in the kit.
 
     python -m scripts.gpu.import_walk                  # one third-party module name a line
@@ -13,6 +13,7 @@ or in the kit.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -27,7 +28,17 @@ BENCH_MODULES = ("prefill", "decode", "moe", "train", "attention", "dechunk", "t
 def device_test_files() -> list[Path]:
     """The test files holding ``@pytest.mark.device`` tests (the ones gpu_check.sh passes to pytest)."""
     marked = re.compile(r"pytest\.mark\.device|pytestmark\s*=.*device")
-    return sorted(p for p in (ROOT / "tests").glob("test_*.py") if marked.search(p.read_text()))
+    return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if marked.search(p.read_text()))
+
+
+@functools.lru_cache(maxsize=None)
+def helper_modules(test_dir: Path) -> dict[str, Path]:
+    """Top-level module name -> file of the tests' helpers and test files (tests/conftest.py puts every
+    folder holding test files on sys.path, so ``import _device`` / ``from test_generation import x``)."""
+    found: dict[str, Path] = {}
+    for p in sorted(test_dir.rglob("*.py"), key=lambda p: (len(p.parts), p)):
+        found.setdefault(p.stem, p)                   # tests/conftest.py, not a folder's own conftest
+    return found
 
 
 def entry_points() -> list[Path]:
@@ -42,8 +53,8 @@ def _module_file(name: str, test_dir: Path) -> list[Path]:
     """Project files executed by ``import name`` (its packages' __init__ files too); [] if third-party."""
     parts = name.split(".")
     if parts[0] not in PROJECT_PACKAGES:
-        single = test_dir / f"{parts[0]}.py"       # tests/ helpers imported as top-level modules
-        return [single] if len(parts) == 1 and single.exists() else []
+        single = helper_modules(test_dir).get(parts[0])  # tests/ helpers imported as top-level modules
+        return [single] if len(parts) == 1 and single is not None else []
     found, base = [], ROOT
     for i, part in enumerate(parts):
         base = base / part
@@ -99,7 +110,7 @@ def third_party_imports(entries: list[Path] | None = None) -> dict[str, set[str]
                 continue
             top = mod.split(".")[0]
             if top and top not in stdlib and top not in PROJECT_PACKAGES and top != "__future__" \
-                    and not (test_dir / f"{top}.py").exists():
+                    and top not in helper_modules(test_dir):
                 found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 

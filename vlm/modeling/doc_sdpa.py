@@ -5,7 +5,7 @@ document's output written into one [B, T, H, D] buffer and its gradients into on
 Against SDPA per document view + ``cat``: no zero-filled full-size gradient per document (a
 slice's backward), no concatenated copy of the output, and the output is already token-major, so
 the caller's reshape to [B, T, H * D] is a view. Reference: the dense mask
-(tests/test_varlen_attention.py, forward and backward).
+(tests/unit/modeling/test_varlen_attention.py, forward and backward).
 GQA: a document's keys / values are repeated per query group (transient, one document at a time)
 and their gradients summed back over the group.
 """

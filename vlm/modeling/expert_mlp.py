@@ -9,7 +9,7 @@ projections [N, 2I] (the weights are parameters, alive anyway); ``silu(gate)`` a
 ``silu(gate) * up`` ([N, I] each, what autograd would keep per layer) are recomputed in the backward.
 Rows from ``offs[-1]`` on belong to no expert: their outputs and input gradients are unspecified
 (the caller masks them) and they take no part in the weight gradients. The plain reference is
-``moe.grouped_swiglu``'s unfused path (tests/test_moe.py compares the two).
+``moe.grouped_swiglu``'s unfused path (tests/unit/modeling/test_moe.py compares the two).
 """
 from __future__ import annotations
 

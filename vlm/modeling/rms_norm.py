@@ -4,7 +4,7 @@
 keeps its input AND the normalised [N, D] tensor for the weight gradient. ``RMSNormFn`` computes the
 same figures and keeps the input and rstd [N, 1] only, recomputing the normalised tensor in the
 backward: one [N, D] tensor less per norm held from the forward to the backward (4 to 5 norms a
-layer). tests/test_rms_norm.py compares the two, forward and backward.
+layer). tests/unit/modeling/test_rms_norm.py compares the two, forward and backward.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ read sits inside ``host_sync(reason)``::
 ``host_sync`` counts its entries per reason (``counts``; ``counting()`` gives a fresh counter for
 a block of code) and, under ``torch.cuda.set_sync_debug_mode("error")``, lets the named read through
 (the mode is 0 inside the block), so a CUDA test can fail on any other sync. ``active()`` tells a
-detector (tests/test_host_syncs.py) whether it is inside a named block.
+detector (tests/unit/modeling/test_host_syncs.py) whether it is inside a named block.
 """
 from __future__ import annotations
 

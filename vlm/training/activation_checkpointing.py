@@ -12,7 +12,7 @@ Applied by the trainer after the model is built. The checkpoint call is inside t
 ``forward``, so ``train.compile`` traces it with the block (same results, aot_eager and inductor);
 ZeRO-3 gathers the parameters again for the recompute. The chunker, dechunk and the loss run
 outside the blocks, so boundary decisions and the chunker's noise are drawn once; losses and
-gradients are those of ``none`` (tests/test_activation_checkpointing.py).
+gradients are those of ``none`` (tests/unit/training/test_activation_checkpointing.py).
 """
 from __future__ import annotations
 

@@ -216,6 +216,7 @@ def test_dechunk_smoke(dechunk_data):
     assert [t["target"] for t in dechunk_data["targets"]] == [None]  # smoke sizes: the 16K / 1K target does not apply
 
 
+@pytest.mark.integration  # starts ranks (expert_parallel_data)
 def test_expert_parallel_smoke(expert_parallel_data):
     d = expert_parallel_data
     assert d["ranks"] == 2 and d["shape"] == expert_parallel.SHAPES["smoke"]
@@ -264,6 +265,7 @@ def test_peak_memory_variants_take_turns():
     assert got["a"]["bytes"] >= 32 * 2**20 > got["b"]["bytes"], got
 
 
+@pytest.mark.integration  # its expert_parallel_data fixture starts ranks
 def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
                  dechunk_data, expert_parallel_data, vs_transformers_data):
     assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0

@@ -1,5 +1,5 @@
 """vlm/modeling/generation.py: cached decoding == repeated full forwards, the concept cache, sampling
-(``generate`` is transformers' GenerationMixin over a ConceptCache: tests/test_generate_hf.py).
+(``generate`` is transformers' GenerationMixin over a ConceptCache: tests/unit/modeling/test_generate_hf.py).
 
 Routers: "decisive" (p exactly 0 or 1, conftest) and "fractional" (``fractional`` below: p spread
 over (0, 1) a margin away from 0.5, so the EMA carry (1 - p) * ema and the EMA weight of each concept

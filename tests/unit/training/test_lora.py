@@ -177,6 +177,7 @@ def test_report_to_and_the_older_switches():
     assert sinks(report_to=[]) == []
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_wandb_is_imported_only_when_asked(tmp_path):
     """A logger without ``wandb`` in its sinks never imports it (a fresh interpreter)."""
     import subprocess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "data" / "default"
 needs_data = pytest.mark.skipif(not (DATA / "tokenizer").is_dir(), reason="default data not built (make data)")
 

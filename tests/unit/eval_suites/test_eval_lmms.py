@@ -19,7 +19,7 @@ from eval_suites import lmms_compat, lmms_plugin
 from eval_suites.lmms_inputs import build_prompt
 from _eval_helpers import build_tiny_vlm, default_data_dir, session_eval_data
 
-TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval_suites", "tasks")
+TASKS_DIR = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")), "eval_suites", "tasks")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from vlm.flops import count_params
 from vlm.flops.__main__ import main
 from vlm.flops.comm import a2a_bytes_per_step, expert_memory_per_gpu, expert_params, zero3_gather_bytes
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "model"
+PRESETS = Path(__file__).resolve().parents[3] / "configs" / "model"
 
 
 def _cfg(name: str, **over) -> ConceptMoEConfig:

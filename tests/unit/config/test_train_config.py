@@ -10,7 +10,7 @@ from vlm.modeling.config_base import ConfigError
 from vlm.training.distributed import build_ds_config
 from vlm.config.train import load_train_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAIN = ROOT / "configs" / "train"
 
 

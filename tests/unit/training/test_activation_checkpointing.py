@@ -244,6 +244,7 @@ def test_peak_memory_full_below_selective_below_none():
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.integration  # in-process, but torch.compile of every block takes 15-30 s
 def test_with_compiled_blocks(mode):
     """``train.compile`` + checkpointing: Dynamo traces the checkpoint inside the block's forward
     (aot_eager here, inductor checked by hand: the same); results equal, and still recomputed."""

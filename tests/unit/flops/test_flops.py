@@ -22,7 +22,7 @@ from vlm.flops import Arch, compare_table, count_params, flops_per_token, kv_byt
 from vlm.flops.__main__ import main
 from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "model"
+PRESETS = Path(__file__).resolve().parents[3] / "configs" / "model"
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 # every structural option of the model, on tiny sizes

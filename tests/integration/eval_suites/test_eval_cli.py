@@ -145,7 +145,7 @@ def test_run_end_to_end_with_real_lmms_eval_cli(setup_paths, unknown_task_run, t
         assert results["results"]["mme_local"]["mme_perception_score,none"] == pytest.approx(want)
     assert "cmoe_digits_mc" in proc.stdout and "exact_match" in proc.stdout  # the printed table
     assert (run_dir / "lmms_eval.log").is_file()
-    # make eval's CPU thread policy reached the model inside lmms-eval (tests/test_eval_threads.py)
+    # make eval's CPU thread policy reached the model inside lmms-eval (tests/unit/eval_suites/test_eval_threads.py)
     assert "[conceptmoe_vlm] cpu threads: 1 (cpu_threads=1)" in (run_dir / "lmms_eval.log").read_text()
 
 

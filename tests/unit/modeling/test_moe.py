@@ -1,7 +1,7 @@
 """vlm/modeling/moe.py: dropless sorted dispatch vs the per-expert loop, stats, padding.
 
 Every test runs on ``VLM_TEST_DEVICE`` (fp32; see tests/_device.py); on CUDA the bf16 sorted dispatch
-(``torch._grouped_mm``) is also checked against the fp32 loop. Host syncs: tests/test_host_syncs.py."""
+(``torch._grouped_mm``) is also checked against the fp32 loop. Host syncs: tests/unit/modeling/test_host_syncs.py."""
 from __future__ import annotations
 
 import copy

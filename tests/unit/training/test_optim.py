@@ -12,7 +12,7 @@ from vlm.training import optim
 from vlm.training.build import build_model, build_model_config
 from vlm.config.train import load_train_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAIN = ROOT / "configs" / "train"
 
 

@@ -59,6 +59,7 @@ def parts(tmp_path_factory):
     return out
 
 
+@pytest.mark.integration  # runs the README's commands as processes
 def test_readme_two_stage_flow_runs_as_written(tmp_path):
     """The documented lines in a scratch folder (configs / data / scripts linked in), fewer steps."""
     for name in ("configs", "data", "scripts"):

@@ -147,6 +147,7 @@ def test_skip_describe_is_one_line():
     assert skip == Skip("missing_image", "r1", "image /x/1.png not found")  # `where` is not compared
 
 
+@pytest.mark.integration  # launches vlm.train
 def test_too_much_bad_data_is_one_line_and_exit_2(tmp_path):
     data = _user_data(tmp_path)
     raw = _raw(tmp_path, data, name="bad", data={"min_samples_for_bad_check": 16, "max_bad_fraction": 0.01},

@@ -118,6 +118,7 @@ def test_rng_state_is_json_and_round_trips():
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
+@pytest.mark.integration  # launches vlm.train
 def test_kill_during_save_then_resume_auto(tmp_path):
     """kill -9 in the middle of the step-4 save: step 2 stays the loadable newest checkpoint;
     ``--resume auto`` picks it and the resumed steps 3-4 reproduce the killed run's losses."""

@@ -13,7 +13,7 @@ import torch
 
 from vlm.training import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "data" / "default"
 
 

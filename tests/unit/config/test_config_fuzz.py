@@ -50,7 +50,7 @@ from vlm.config.train import PARTS, REPORT_TO, STAGES, ZERO_PRESETS, TrainConfig
 from vlm.modeling.configuration_conceptmoe_vl import TOKEN_FIELDS as _TOKEN_FIELDS
 from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL_YAML, VLM_YAML, TRAIN_YAML = (ROOT / "configs/model/tiny_concept.yaml", ROOT / "configs/model/vlm_tiny.yaml",
                                     ROOT / "configs/train/default.yaml")
 MODEL_RAW = yaml.safe_load(MODEL_YAML.read_text())  # chunking on: 4 layers (1 enc, 2 concept, 1 dec), 8 experts, top-2

@@ -12,7 +12,7 @@
   other CLIs must accept its arguments, and bash must parse the block. ``yaml`` blocks marked so are
   validated as the config fragment they show.
 - ``text`` blocks are printed output; the block after ``<!-- tiny-pretrained-flow -->`` is run by
-  tests/test_pretrained_start.py.
+  tests/unit/training/test_pretrained_start.py.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import pytest
 from scripts.gpu import import_walk
 from scripts.gpu.build_kit import norm, read_kit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 IMAGE = ROOT / "scripts" / "gpu" / "image_packages.txt"
 # imported on the GPU path only behind an option the check does not use (each reason checked by hand)
 OPTIONAL = {
