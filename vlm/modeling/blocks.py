@@ -10,7 +10,7 @@ Activation checkpointing (training only: module in train mode, grad enabled, no 
 and the backward recomputes it. With ``checkpoint_ffn`` ("selective") only the FFN half
 (post-attention norm + MoE / dense FFN) is recomputed: the MoE keeps the most bytes per FLOP of
 recompute (the K-fold gathered tokens, the [N*K, I] expert activations, routing; measured in
-vlm/training/checkpointing.py). Reentrant checkpointing is refused (it would detach the MoE stats).
+vlm/training/activation_checkpointing.py). Reentrant checkpointing is refused (it would detach the MoE stats).
 The MoE stats (aux losses) come out of the first run with their graph; nothing in a block draws
 random numbers, so a recompute is exact.
 """
