@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import hf_features
 
@@ -96,10 +97,15 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` serves the MoE on this device type and dtype (probed once)."""
+    """Whether ``torch._grouped_mm`` serves the MoE on this device type and dtype (probed once, on
+    first use). The probe runs outside any active dispatch mode and without autograd: a mode the
+    caller holds (``FlopCounterMode``, a fake-tensor mode) sees only the caller's work, not the
+    probe's matmuls."""
     key = (device_type, dtype)
     if key not in _GROUPED:
-        _GROUPED[key] = ok = _probe_grouped_mm(device_type, dtype)
+        with _disable_current_modes(), torch.no_grad():
+            ok = _probe_grouped_mm(device_type, dtype)
+        _GROUPED[key] = ok
         _say(f"gmm-{key}", f"torch._grouped_mm on {device_type} {str(dtype).removeprefix('torch.')}: "
              + ("one grouped GEMM per projection" if ok else "not available, per-expert split"))
     return _GROUPED[key]

@@ -304,6 +304,26 @@ def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch, fused):
     assert counted[:2] == counted[2:]
 
 
+def test_grouped_mm_probe_is_not_counted(monkeypatch):
+    """The grouped GEMM probe (``features.grouped_mm_ok``, on a process's first MoE call) runs outside
+    the caller's dispatch modes: a ``FlopCounterMode`` around that first call counts the MoE only,
+    as around any later one."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from vlm.modeling import features
+    moe = make_moe()
+    x = dev(torch.randn(2, 9, D))
+
+    def counted() -> int:
+        with FlopCounterMode(display=False) as fc:
+            moe(x)
+        return fc.get_total_flops()
+
+    monkeypatch.setattr(features, "_GROUPED", {})  # as in a fresh process: the next call probes
+    first = counted()
+    assert first == counted() == 2 * 18 * D * moe.num_experts + 18 * moe.top_k * 2 * 3 * D * 24
+    assert list(features._GROUPED) == [(x.device.type, x.dtype)] or not moe_mod.GROUPED_MM
+
+
 # CUDA bf16: torch._grouped_mm ---------------------------------------------------------------------
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
