@@ -251,6 +251,14 @@ def test_vs_transformers_smoke(vs_transformers_data):
             assert x["R2_prompt_ratio"] > 1
 
 
+def test_vs_transformers_refuses_unknown_parts_and_variants(tmp_path):
+    """``--parts`` / ``--train-variants`` outside the known names: one clear line, exit 2, nothing built."""
+    for bad in (["--parts", "train,prefil"], ["--train-variants", "ours_fast"]):
+        with pytest.raises(SystemExit) as e:
+            vs_transformers.run(["--smoke", "--out", str(tmp_path), *bad])
+        assert e.value.code == 2, bad
+
+
 def test_peak_memory_sees_an_allocation():
     got = peak_memory(lambda: torch.ones(64 * 2**20 // 4).add_(1), torch.device("cpu"))
     assert got["bytes"] >= 32 * 2**20, got  # a 64 MiB tensor (RSS-based: page-granular, allow slack)
