@@ -148,7 +148,7 @@ class LogSection(Section):
     # metric sinks: tensorboard (<run>/tb), wandb (W&B; WANDB_MODE / WANDB_PROJECT / WANDB_DIR from the
     # environment), jsonl (<run>/metrics.jsonl)
     report_to: Annotated[list[Literal[REPORT_TO]], AfterValidator(_unique)] = ["tensorboard", "jsonl"]
-    tensorboard: bool | None = None  # older switch: true adds tensorboard to report_to, false drops it
+    tensorboard: bool | None = None  # shorthand: true adds tensorboard to report_to, false drops it
     jsonl: bool | None = None  # the same for jsonl
     peak_flops: Num(gt=0) | None = None  # per device; None = GPU spec sheet / measured CPU matmul (training/peak.py)
     visualize_every: NonNegInt = 0  # boundary picture via vlm.visualize every N steps (0 = never)

@@ -324,7 +324,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
                                       max_cache_length) -> None:
         """A fresh ``ConceptCache`` sized for prompt + new tokens; a given one must be a ConceptCache (it
         grows to that size: a continued generation)."""
-        key = generation_cache_key()  # "cache" or, on older transformers, "past_key_values"
+        key = generation_cache_key()  # "cache" or, on transformers 5.17, "past_key_values"
         given = model_kwargs.pop("cache", None)
         given = model_kwargs.pop("past_key_values", None) if given is None else given
         if given is not None:

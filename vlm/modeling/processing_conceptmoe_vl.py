@@ -31,7 +31,7 @@ IMAGE_SETTINGS = ("image_size", "image_mean", "image_std", "resample", "image_as
 # Our chat format (`CHAT_TEMPLATE`, unchanged for user / assistant turns) plus system messages: the
 # format has no system role, so system text opens the next user turn (as Mistral's template does).
 # Not added to `CHAT_TEMPLATE` itself: ChatTokenizer knows our format by that exact string, so a new
-# string would put tokenizers saved with the old one (data/default, earlier exports) on the path for
+# string would put tokenizers saved with it (data/default, existing exports) on the path for
 # a pretrained LLM's template. Training data with system turns is still refused (turn_role_and_text).
 PROCESSOR_CHAT_TEMPLATE = (
     "{% set ns = namespace(system='') %}"
@@ -121,7 +121,7 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
         return {"processor_class": type(self).__name__, "image_processor": self.image_processor.to_dict(),
                 "num_image_tokens": self.num_image_tokens, "add_bos": self.add_bos,
                 "token_ids": dict(self.chat_tokenizer.ids),
-                **self.image_transform.settings()}  # flat copy: the layout of earlier exports
+                **self.image_transform.settings()}  # also at top level: the flat layout that loaders read too
 
     # ----- images -----
     def image_tiles(self, images) -> list[int]:
@@ -283,7 +283,7 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
             kwargs["image_processor"] = ConceptMoEImageProcessor.from_transform(kwargs.pop("image_transform"))
         saved = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder", ""), PROCESSOR_CONFIG)
         if kwargs.get("image_processor") is None and os.path.isfile(saved):
-            # our image settings, nested or flat (earlier exports), so that transformers' own lookup
+            # our image settings, nested or flat (both layouts exist), so that transformers' own lookup
             # (which needs the nested layout in some versions) is never asked for them
             with open(saved, encoding="utf-8") as f:
                 processor_dict = json.load(f)
@@ -295,7 +295,7 @@ class ConceptMoEVLMProcessor(ProcessorMixin):
 
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
-        """[tokenizer, image processor]: the image settings nested (this layout) or flat (earlier exports)."""
+        """[tokenizer, image processor]: the image settings nested or flat (both layouts exist)."""
         processor_dict = processor_dict or {}
         if "num_image_tokens" not in processor_dict:
             raise FileNotFoundError(f"no {PROCESSOR_CONFIG} with num_image_tokens in {pretrained_model_name_or_path} "
