@@ -7,29 +7,36 @@ import os
 
 import torch
 
-try:  # optional: an export whose tower is not open_clip's loads without it (check_imports skips try)
-    import open_clip
-    from open_clip.constants import HF_CONFIG_NAME, HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME
-    from open_clip.pretrained import get_pretrained_cfg, list_pretrained_tags_by_model
-    from open_clip.transformer import VisionTransformer
-
-    HUB_WEIGHT_FILES = (HF_SAFE_WEIGHTS_NAME, HF_WEIGHTS_NAME)
-except ImportError as err:
-    MISSING = err
-else:
-    MISSING = None
-
 from .vision_base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
 from .vision_base import random_init, resolve_model_name, resolve_weights
 from .vision_hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
 from .config_base import fail
 
 
+def _open_clip():
+    """open_clip, imported when an open_clip tower is built: optional (an export whose tower is not
+    open_clip's loads without it; transformers' check_imports skips ``try``), and never on ``import vlm``
+    (it imports timm, whose utils import wandb)."""
+    try:
+        import open_clip
+        import open_clip.constants
+        import open_clip.pretrained
+        import open_clip.transformer
+    except ImportError as err:
+        raise fail("vision.backbone", f"an open_clip tower needs open_clip, which is not importable: {err}") from err
+    return open_clip
+
+
+def _hub_weight_files() -> tuple[str, str]:
+    constants = _open_clip().constants
+    return constants.HF_SAFE_WEIGHTS_NAME, constants.HF_WEIGHTS_NAME
+
+
 def _tag_cfg(name: str, tag: str) -> dict:
     """open_clip's own entry for ``tag`` (its tag -> hub repo table), or a one-line error."""
-    tag_cfg = get_pretrained_cfg(name, tag)
+    tag_cfg = _open_clip().pretrained.get_pretrained_cfg(name, tag)
     if not tag_cfg:
-        tags = ", ".join(list_pretrained_tags_by_model(name)) or "none"
+        tags = ", ".join(_open_clip().pretrained.list_pretrained_tags_by_model(name)) or "none"
         raise fail("vision.pretrained", f"{tag!r} is neither a local file nor an open_clip pretrained tag of "
                                         f"{name!r} (tags: {tags})")
     if not tag_cfg.get("hf_hub"):
@@ -41,8 +48,9 @@ def _tag_cfg(name: str, tag: str) -> dict:
 def _tag_files(tag_cfg: dict) -> tuple[str, tuple[str, ...]]:
     """(hub repo, candidate files) as open_clip resolves them: "org/name/" or "org/name/file"."""
     repo, filename = os.path.split(tag_cfg["hf_hub"])
-    filename = filename or HF_WEIGHTS_NAME  # tried after its safetensors alternative, as open_clip does
-    safe = HF_SAFE_WEIGHTS_NAME if filename == HF_WEIGHTS_NAME else os.path.splitext(filename)[0] + ".safetensors"
+    constants = _open_clip().constants
+    filename = filename or constants.HF_WEIGHTS_NAME  # tried after its safetensors alternative, as open_clip does
+    safe = constants.HF_SAFE_WEIGHTS_NAME if filename == constants.HF_WEIGHTS_NAME else os.path.splitext(filename)[0] + ".safetensors"
     return repo, (safe, filename) if filename.endswith((".bin", ".pth")) else (filename,)
 
 
@@ -52,12 +60,13 @@ def _weights(cfg: VisionEncoderConfig, name: str, requires_weights: bool) -> tup
     if repo is not None:
         if cfg.pretrained is not None:
             raise fail("vision.pretrained", f"must be null with model_name {name!r} (the hub repo holds the weights)")
-        require_cached("vision.model_name", f"open_clip {name!r}", repo, (HF_CONFIG_NAME,))
+        require_cached("vision.model_name", f"open_clip {name!r}", repo, (_open_clip().constants.HF_CONFIG_NAME,))
         if on_meta_device():
             return META_SOURCE, {"load_weights": False}
-        path = require_cached("vision.model_name", f"open_clip {name!r}", repo, HUB_WEIGHT_FILES)
+        path = require_cached("vision.model_name", f"open_clip {name!r}", repo, _hub_weight_files())
         check_pickle("vision.model_name", path, cfg.trust_pickle)
         return f"HF cache {path}", {"require_pretrained": True}
+    open_clip = _open_clip()
     if name not in open_clip.list_models():
         raise unknown_name("vision.model_name", name, "open_clip", open_clip.list_models())
     if cfg.pretrained is None:
@@ -97,9 +106,7 @@ class OpenClipViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
-        if MISSING is not None:
-            raise fail("vision.backbone", f"{cfg.backbone!r} builds an open_clip tower; open_clip is not importable: "
-                                          f"{MISSING}")
+        open_clip = _open_clip()
         name = resolve_model_name(cfg, model_name)
         kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
         source, load_kwargs = _weights(cfg, name, requires_weights)
@@ -109,7 +116,7 @@ class OpenClipViTEncoder(VisionEncoder):
             clip = open_clip.create_model(name, force_image_size=cfg.image_size, weights_only=True,
                                           pretrained_text=False, **load_kwargs, **kwargs)
         visual = clip.visual
-        if not isinstance(visual, VisionTransformer):
+        if not isinstance(visual, open_clip.transformer.VisionTransformer):
             raise fail("vision.model_name", f"{name!r} has no open_clip ViT tower (got {type(visual).__name__})")
         num_blocks = len(visual.transformer.resblocks)
         image_size = check_tower(cfg, name, num_blocks, visual.image_size)

@@ -4,14 +4,6 @@ from __future__ import annotations
 
 import torch
 
-try:  # optional: an export whose tower is not timm's loads without it (transformers' check_imports skips try)
-    import timm
-    from timm.models import get_pretrained_cfg, split_model_name_tag
-except ImportError as err:
-    timm, MISSING = None, err
-else:
-    MISSING = None
-
 from .vision_base import META_SOURCE, VisionEncoder, VisionEncoderConfig, check_tower, on_meta_device
 from .vision_base import random_init, resolve_model_name, resolve_weights
 from .vision_hub import check_pickle, hub_id, library_errors, looks_like_path, require_cached, unknown_name
@@ -21,13 +13,26 @@ KEY = "vision.model_name"
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+def _timm():
+    """timm, imported when a timm tower is built: optional (an export whose tower is not timm's loads
+    without it; transformers' check_imports skips ``try``), and never on ``import vlm`` (timm.utils
+    imports wandb and costs about a second)."""
+    try:
+        import timm
+        import timm.models
+    except ImportError as err:
+        raise fail("vision.backbone", f"a timm tower needs timm, which is not importable: {err}") from err
+    return timm
+
+
 def _tag_weights(cfg: VisionEncoderConfig, name: str) -> str:
     """The cached weights file of a tagged timm name (``arch.tag``), or a one-line error."""
-    arch, tag = split_model_name_tag(name)
+    timm = _timm()
+    arch, tag = timm.models.split_model_name_tag(name)
     tags = [t.split(".", 1)[1] for t in timm.list_pretrained(arch) if t.startswith(arch + ".")]
     if tag not in tags:
         raise fail(KEY, f"{name!r}: {tag!r} is not a timm pretrained tag of {arch} (tags: {', '.join(tags) or 'none'})")
-    pretrained_cfg = get_pretrained_cfg(name)
+    pretrained_cfg = timm.models.get_pretrained_cfg(name)
     if not pretrained_cfg.hf_hub_id:
         raise fail(KEY, f"{name!r}: timm has no hub repo for this tag (only {pretrained_cfg.url or 'nothing'}); "
                         "download it and set vision.pretrained to the file")
@@ -49,7 +54,8 @@ def _weights(cfg: VisionEncoderConfig, name: str, requires_weights: bool) -> tup
         path = require_cached(KEY, f"timm {name!r}", repo, HF_WEIGHT_FILES)
         check_pickle(KEY, path, cfg.trust_pickle)
         return f"HF cache {path}", {"pretrained": True}
-    arch, tag = split_model_name_tag(name)
+    timm = _timm()
+    arch, tag = timm.models.split_model_name_tag(name)
     if not timm.is_model(arch):
         raise unknown_name(KEY, name, "timm", timm.list_models())
     if on_meta_device():
@@ -86,8 +92,7 @@ class TimmViTEncoder(VisionEncoder):
         model_kwargs: dict | None = None,
         requires_weights: bool = False,
     ) -> None:
-        if MISSING is not None:
-            raise fail("vision.backbone", f"{cfg.backbone!r} builds a timm tower; timm is not importable: {MISSING}")
+        timm = _timm()
         name = resolve_model_name(cfg, model_name)
         kwargs = {**(model_kwargs or {}), **cfg.model_kwargs}
         if cfg.image_size is not None:

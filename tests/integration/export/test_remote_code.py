@@ -139,7 +139,7 @@ def test_language_model_export_loads_and_generates_without_our_packages(tmp_path
     from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
     torch.manual_seed(0)
-    config = ConceptMoEConfig.from_yaml(Path(__file__).resolve().parents[1] / "configs/model/tiny_concept.yaml")
+    config = ConceptMoEConfig.from_yaml(Path(__file__).resolve().parents[3] / "configs/model/tiny_concept.yaml")
     model = ConceptMoEForCausalLM(config).eval()
     out = tmp_path / "lm"
     model.save_pretrained(out)
