@@ -4,7 +4,7 @@ the DeepSpeed engine, in one order:
 1. freeze / LoRA (``optim.apply_freeze``, ``lora.apply``): the adapters replace linear layers inside
    the blocks, so everything after sees the final modules, and the trainable flags are set before
    anything reads them;
-2. loss-only (``modeling.hf.loss_only``): training reads the losses and boundaries, never logits
+2. loss-only (``modeling_conceptmoe.loss_only``): training reads the losses and boundaries, never logits
    (chunked CE, no [B, T, V]);
 3. recompute (``activation_checkpointing``): the checkpoint call sits in the block's forward ...
 4. ... so ``compile`` (``train.compile``) traces it with the block (and the LoRA adapters);
