@@ -49,8 +49,8 @@ def build_hf(shape: dict, impl: str, ours, device, dtype):
     cfg._experts_implementation = impl
     blk = Qwen3MoeSparseMoeBlock(cfg)
     with torch.no_grad():
-        # ours: w_gate/w_up [E, D, I], w_down [E, I, D]; HF: gate_up_proj [E, 2I, D], down_proj [E, D, I]
-        blk.experts.gate_up_proj.copy_(torch.cat([ours.w_gate, ours.w_up], dim=-1).transpose(1, 2).float())
+        # ours: w_gate_up [E, D, 2I], w_down [E, I, D]; HF: gate_up_proj [E, 2I, D], down_proj [E, D, I]
+        blk.experts.gate_up_proj.copy_(ours.w_gate_up.transpose(1, 2).float())
         blk.experts.down_proj.copy_(ours.w_down.transpose(1, 2).float())
         blk.gate.weight.copy_(ours.router.weight.float())
     return blk.to(device, dtype)

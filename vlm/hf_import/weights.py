@@ -3,8 +3,9 @@
 Renames: ``input_layernorm`` -> ``input_norm``, ``post_attention_layernorm`` -> ``post_attn_norm``,
 ``self_attn`` -> ``attn``, dense ``mlp.*_proj`` -> ``ffn.*_proj``, router ``mlp.gate`` /
 ``block_sparse_moe.gate`` -> ``ffn.router``, ``shared_expert`` -> ``ffn.shared``,
-``shared_expert_gate`` -> ``ffn.shared_gate``. Routed experts are stacked into ``w_gate`` / ``w_up``
-``[E, D, I]`` and ``w_down`` ``[E, I, D]`` (our layout is the transpose of ``nn.Linear``'s), from the
+``shared_expert_gate`` -> ``ffn.shared_gate``. Routed experts are stacked into ``w_gate_up``
+``[E, D, 2I]`` (gate columns, then up) and ``w_down`` ``[E, I, D]`` (our layout is the transpose of
+``nn.Linear``'s), from the
 per-expert layout (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` /
 ``w2``) or the fused one (``experts.gate_up_proj`` ``[E, 2I, D]``, ``experts.down_proj`` ``[E, D, I]``).
 """
@@ -72,16 +73,15 @@ def _stack_experts(li: int, parts: dict, hf: dict) -> dict[str, torch.Tensor]:
     if "fused_gate_up_proj" in parts:  # [E, 2I, D] and [E, D, I]
         gate_up = hf[f"model.layers.{li}." + parts["fused_gate_up_proj"]]
         down = hf[f"model.layers.{li}." + parts["fused_down_proj"]]
-        gate, up = gate_up.chunk(2, dim=1)
-        return {pre + "w_gate": gate.transpose(1, 2), pre + "w_up": up.transpose(1, 2),
-                pre + "w_down": down.transpose(1, 2)}
-    out = {}
-    for ours, name in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
+        # [gate; up] rows -> [gate | up] columns: our w_gate_up [E, D, 2I] is its transpose
+        return {pre + "w_gate_up": gate_up.transpose(1, 2).contiguous(), pre + "w_down": down.transpose(1, 2)}
+    stacked = {}
+    for name in ("gate", "up", "down"):
         per = parts.get(name, {})
         if sorted(per) != list(range(len(per))) or not per:
             raise ValueError(f"model.layers.{li}: expert {name} weights are incomplete ({sorted(per)})")
-        out[pre + ours] = torch.stack([hf[f"model.layers.{li}." + per[e]].t() for e in range(len(per))])
-    return out
+        stacked[name] = torch.stack([hf[f"model.layers.{li}." + per[e]].t() for e in range(len(per))])
+    return {pre + "w_gate_up": torch.cat([stacked["gate"], stacked["up"]], -1), pre + "w_down": stacked["down"]}
 
 
 def map_weights(hf: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:

@@ -1,15 +1,17 @@
-"""The grouped SwiGLU expert MLP as one autograd function: gate and up as ONE grouped GEMM, and a
-backward that recomputes the activation product instead of keeping it.
+"""The grouped SwiGLU expert MLP as one autograd function over the stored fused gate/up weight, the
+routing weights folded in, and a backward that recomputes the activation product instead of keeping it.
 
-``x_ND @ [w_gate | w_up]`` per expert segment is one grouped GEMM [N, 2I] (one wider GEMM beats two:
-0.6x their time on CPU); the parameters stay two stacks (checkpoints, exports, expert parallelism,
-LoRA and the optimizer states keep their layout) and the [E, D, 2I] concatenation is rebuilt where
-a GEMM needs it, never kept alive. Saved for the backward: the input ``x_ND`` and the gate / up
-projections [N, 2I] (the weights are parameters, alive anyway); ``silu(gate)`` and
-``silu(gate) * up`` ([N, I] each, what autograd would keep per layer) are recomputed in the backward.
-Rows from ``offs[-1]`` on belong to no expert: their outputs and input gradients are unspecified
-(the caller masks them) and they take no part in the weight gradients. The plain reference is
-``moe.grouped_swiglu``'s unfused path (tests/unit/modeling/test_moe.py compares the two).
+The experts keep gate and up as ONE parameter ``w_gate_up`` [E, D, 2I] (gate columns first), so
+``x_SD @ w_gate_up`` per expert segment is one grouped GEMM [S, 2I] (one wider GEMM beats two: 0.6x
+their time on CPU) with no per-step weight copy, and its weight gradient is one GEMM writing the
+parameter's own layout. Each row's routing weight ``rw_S`` scales the activation [S, I] before the
+down projection (``(h * w) W_d == w * (h W_d)``): half the width of scaling the output [S, D], and no
+[S, D] output to keep for the weight's gradient. Saved for the backward: the input, the gate / up
+projections [S, 2I] and the routing weights (the weights are parameters, alive anyway);
+``silu(gate)`` and the product ([S, I] each) are recomputed.
+Rows from ``offs[-1]`` on belong to no expert: their outputs and every gradient they would give
+(input rows, routing weights) are zero, and they take no part in the weight gradients. The plain
+reference is ``grouped_swiglu_reference`` (per-expert loop; tests/unit/modeling/test_moe.py compares).
 """
 from __future__ import annotations
 
@@ -17,44 +19,76 @@ import torch
 import torch.nn.functional as F
 
 
-def _fused_weight(w_gate_EDI: torch.Tensor, w_up_EDI: torch.Tensor) -> torch.Tensor:
-    return torch.cat([w_gate_EDI, w_up_EDI], -1)  # [E, D, 2I]
+def _outside(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """[S, 1] bool: rows at or after the last segment end (no host read)."""
+    return (torch.arange(rows, device=offs_E.device) >= offs_E[-1])[:, None]
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """``grouped_mm(silu(x W_g) * (x W_u), W_d)`` per segment (``offs_E``: int32 segment ends)."""
+    """``grouped_mm(silu(x W_g) * (x W_u) * rw, W_d)`` per segment (``offs_E``: int32 segment ends),
+    ``[W_g | W_u] = w_gate_up_ED2I``; ``rw_S`` None: unweighted."""
 
     @staticmethod
-    def forward(ctx, x_ND, offs_E, w_gate_EDI, w_up_EDI, w_down_EID):
-        gu_N2I = torch._grouped_mm(x_ND, _fused_weight(w_gate_EDI, w_up_EDI), offs=offs_E)
-        gate_NI, up_NI = gu_N2I.chunk(2, -1)
-        y_ND = torch._grouped_mm(F.silu(gate_NI) * up_NI, w_down_EID, offs=offs_E)
-        ctx.save_for_backward(x_ND, offs_E, w_gate_EDI, w_up_EDI, w_down_EID, gu_N2I)
-        return y_ND
+    def forward(ctx, x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S):
+        gu_S2I = torch._grouped_mm(x_SD, w_gate_up_ED2I, offs=offs_E)
+        gate_SI, up_SI = gu_S2I.chunk(2, -1)
+        h_SI = F.silu(gate_SI).mul_(up_SI)
+        if rw_S is not None:
+            h_SI.mul_(rw_S[:, None])
+        y_SD = torch._grouped_mm(h_SI, w_down_EID, offs=offs_E).masked_fill_(_outside(offs_E, x_SD.shape[0]), 0.0)
+        ctx.save_for_backward(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S)
+        return y_SD
 
     @staticmethod
-    def backward(ctx, g_ND):
-        x_ND, offs_E, w_gate_EDI, w_up_EDI, w_down_EID, gu_N2I = ctx.saved_tensors
-        g_ND = g_ND.contiguous()
-        inter = w_gate_EDI.shape[-1]
-        gate_NI, up_NI = gu_N2I.chunk(2, -1)
-        sig_NI = torch.sigmoid(gate_NI)
-        silu_NI = gate_NI * sig_NI
+    def backward(ctx, g_SD):
+        x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S = ctx.saved_tensors
+        g_SD = g_SD.contiguous()
+        outside_S1 = _outside(offs_E, x_SD.shape[0])
+        gate_SI, up_SI = gu_S2I.chunk(2, -1)
+        sig_SI = torch.sigmoid(gate_SI)
+        silu_SI = gate_SI * sig_SI
+        h_SI = silu_SI * up_SI
+        g_hw_SI = torch._grouped_mm(g_SD, w_down_EID.transpose(-2, -1), offs=offs_E)  # d loss / d (h * rw)
+        g_rw = None
+        if rw_S is not None:
+            if ctx.needs_input_grad[4]:
+                g_rw = (g_hw_SI * h_SI).sum(-1).masked_fill_(outside_S1[:, 0], 0.0)
+            h_SI.mul_(rw_S[:, None])
+            g_hw_SI.mul_(rw_S[:, None])  # now d loss / d h
         g_down = None
-        if ctx.needs_input_grad[4]:
-            g_down = torch._grouped_mm((silu_NI * up_NI).t(), g_ND, offs=offs_E)  # [E, I, D]
-        g_h_NI = torch._grouped_mm(g_ND, w_down_EID.transpose(-2, -1), offs=offs_E)
-        g_gu_N2I = torch.empty_like(gu_N2I)
-        g_gate_NI, g_up_NI = g_gu_N2I.chunk(2, -1)
-        torch.mul(g_h_NI, silu_NI, out=g_up_NI)
+        if ctx.needs_input_grad[3]:
+            g_down = torch._grouped_mm(h_SI.t(), g_SD, offs=offs_E)  # [E, I, D]
+        del h_SI
+        g_gu_S2I = torch.empty_like(gu_S2I)
+        g_gate_SI, g_up_SI = g_gu_S2I.chunk(2, -1)
+        torch.mul(g_hw_SI, silu_SI, out=g_up_SI)
         # d silu(g) / d g = sig * (1 + g * (1 - sig)), in place on the recomputed tensors
-        dsilu_NI = sig_NI.mul_(gate_NI - silu_NI + 1.0)
-        torch.mul(g_h_NI.mul_(up_NI), dsilu_NI, out=g_gate_NI)
-        del g_h_NI, sig_NI, silu_NI, dsilu_NI
-        g_x = g_gate = g_up = None
+        dsilu_SI = sig_SI.mul_(gate_SI - silu_SI + 1.0)
+        torch.mul(g_hw_SI.mul_(up_SI), dsilu_SI, out=g_gate_SI)
+        del g_hw_SI, sig_SI, silu_SI, dsilu_SI
+        g_x = g_gate_up = None
         if ctx.needs_input_grad[0]:
-            w_E2ID = _fused_weight(w_gate_EDI, w_up_EDI).transpose(-2, -1)
-            g_x = torch._grouped_mm(g_gu_N2I, w_E2ID, offs=offs_E)
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            g_gate, g_up = torch._grouped_mm(x_ND.t(), g_gu_N2I, offs=offs_E).split(inter, -1)  # [E, D, 2I]
-        return g_x, None, g_gate, g_up, g_down
+            g_x = torch._grouped_mm(g_gu_S2I, w_gate_up_ED2I.transpose(-2, -1), offs=offs_E)
+            g_x.masked_fill_(outside_S1, 0.0)
+        if ctx.needs_input_grad[2]:
+            g_gate_up = torch._grouped_mm(x_SD.t(), g_gu_S2I, offs=offs_E)  # [E, D, 2I]
+        return g_x, None, g_gate_up, g_down, g_rw
+
+
+def grouped_swiglu_reference(x_SD: torch.Tensor, sizes: list[int], w_gate_up_ED2I: torch.Tensor,
+                             w_down_EID: torch.Tensor, rw_S: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain autograd, one expert at a time: expert e takes the next ``sizes[e]`` rows; the rows after
+    the last segment (``x_SD.shape[0] - sum(sizes)``) come out zero. Also the path where torch has no
+    grouped GEMM for the device / dtype."""
+    tail = x_SD.shape[0] - sum(sizes)
+    rws = [None] * (len(sizes) + 1) if rw_S is None else torch.split(rw_S[:, None], [*sizes, tail])
+    # unbind, not w[e]: the backward of indexing allocates a zero [E, ...] gradient per expert,
+    # unbind's is one stack (3x faster CPU training steps, identical results)
+    outs = []
+    for x_e, rw_e, w_gu, w_d in zip(torch.split(x_SD, [*sizes, tail]), rws, w_gate_up_ED2I.unbind(0),
+                                    w_down_EID.unbind(0)):
+        gate, up = (x_e @ w_gu).chunk(2, -1)
+        h = F.silu(gate) * up
+        outs.append((h if rw_e is None else h * rw_e) @ w_d)
+    outs.append(x_SD.new_zeros(tail, w_down_EID.shape[-1]))
+    return torch.cat(outs)

@@ -33,9 +33,11 @@ from .attention import Attention
 from .cache import ConceptCache
 from .chunking import TEXT, ChunkModule
 from .conceptmoe import CompressionStats, ConceptMoEModel
+from .cross_entropy import cross_entropy_sum
 from .generation import DecodeState, decode_step
 from .hf_features import generation_cache_key
 from .moe import MoEFeedForward
+from .legacy_experts import fuse_after_from_pretrained
 from .safe_loading import require_safetensors
 
 
@@ -66,8 +68,7 @@ def lm_loss_fn(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tenso
     """Next-token cross entropy on full fp32 logits (the reference of ``chunked_lm_loss``); labels are
     aligned with inputs (shifted here, ``shift_labels``), -100 ignored; 0 when no label is left. No host read."""
     labels_N = shift_labels(labels_BT).reshape(-1)
-    logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1]).float()
-    total = F.cross_entropy(logits_NV, labels_N, ignore_index=-100, reduction="sum")
+    total = cross_entropy_sum(logits_BTV.reshape(-1, logits_BTV.shape[-1]), labels_N)
     return total / (labels_N != -100).sum().clamp(min=1)
 
 
@@ -75,7 +76,7 @@ CE_CHUNK_BYTES = 256 * 2 ** 20  # fp32 logits of one chunk of ``chunked_lm_loss`
 
 
 def _chunk_ce_sum(head: nn.Module, h_ND: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h_ND).float(), labels_N, ignore_index=-100, reduction="sum")
+    return cross_entropy_sum(head(h_ND), labels_N)
 
 
 def chunked_lm_loss(head: nn.Module, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor,
@@ -180,7 +181,11 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
         require_safetensors(pretrained_model_name_or_path, trust_pickle)
         if not trust_pickle:
             kwargs["use_safetensors"] = True
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "local_files_only", "token") if k in kwargs}
+        fuse_after_from_pretrained(model, pretrained_model_name_or_path, info, kwargs.get("subfolder") or "", **hub)
+        return (model, info) if want_info else model
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              *args, **kwargs):
@@ -205,7 +210,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
         PreTrainedModel._init_weights(self, module)
         std = self.config.get_text_config().initializer_range
         if isinstance(module, MoEFeedForward):
-            for w in (module.w_gate, module.w_up, module.w_down):
+            for w in (module.w_gate_up, module.w_down):
                 init.normal_(w, mean=0.0, std=std)
         elif isinstance(module, ChunkModule):
             module.reset_router()

@@ -1,12 +1,13 @@
 """Mixture of experts FFN: softmax top-k router, SwiGLU experts, dropless sorted dispatch.
 
 Dispatch ("sorted", the fast path): every (token, expert) assignment is sorted by expert, the
-tokens are gathered into one contiguous buffer of N * K rows, each expert's contiguous segment goes
-through its weights in one ``torch._grouped_mm`` per projection, and the weighted outputs are
-gathered back to token order and summed over the top-k (``combine``). No token is ever dropped,
+tokens are gathered into one contiguous buffer of N * K rows (``token_reorder.gather_rows``), each
+expert's contiguous segment goes through its weights in one ``torch._grouped_mm`` per projection
+(gate + up, down; the routing weight scales each row inside the expert MLP, ``expert_mlp.py``), and
+the outputs are summed back per token (``token_reorder.scatter_sum``). No token is ever dropped,
 and nothing is read on the host: the segment ends (``offs``) stay on the device, and padding is not
 removed (a data-dependent shape) but sorted behind every expert's segment, outside every group (not
-computed), and masked to zero.
+computed, zero outputs and gradients).
 Only where torch's grouped GEMM does not serve the device and dtype (probed once by
 ``features.grouped_mm_ok``: e.g. CUDA fp32 on some releases, a torch without ``_grouped_mm``) the
 segments go through a per-expert loop over ``split`` sizes read on the host (a named host sync, see
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 
 from .configuration_conceptmoe import MoEConfig
-from .expert_mlp import GroupedSwiGLU
+from .expert_mlp import GroupedSwiGLU, grouped_swiglu_reference
 from .features import grouped_mm_ok
 from .syncs import host_sync
+from .token_reorder import gather_rows, inverse_order, scatter_sum
 
 
 @dataclass
@@ -57,46 +59,17 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split needs the segment sizes"
 
 
-FUSED_MIN_ROWS_PER_EXPERT = 16  # inference: gate and up as one GEMM from this many rows per expert on; None: never
-
-
-def use_fused(x_ND: torch.Tensor, w_gate_EDI: torch.Tensor) -> bool:
-    """Training (a gradient flows): always one gate+up GEMM, so a layer runs the same kernels whatever
-    its rows per expert (expert and data parallelism must compute the same update); inference: from
-    ``FUSED_MIN_ROWS_PER_EXPERT`` rows per expert on (decoding reads only the experts in use)."""
-    if FUSED_MIN_ROWS_PER_EXPERT is None:
-        return False
-    if torch.is_grad_enabled() and (x_ND.requires_grad or w_gate_EDI.requires_grad):
-        return True
-    return x_ND.shape[0] >= FUSED_MIN_ROWS_PER_EXPERT * w_gate_EDI.shape[0]
-
-
-def grouped_swiglu(x_ND: torch.Tensor, offs_E: torch.Tensor, w_gate_EDI, w_up_EDI, w_down_EID) -> torch.Tensor:
-    """SwiGLU over contiguous per-expert segments of ``x_ND`` (rows sorted by expert): expert e takes
-    rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device). Rows from offs[-1] on belong
-    to no expert: their outputs are unspecified (uninitialised memory) and the caller masks them.
-    Gate and up run as one GEMM (``expert_mlp.GroupedSwiGLU``, whose backward recomputes the
-    activation product instead of keeping it) in training and, at inference, from
-    ``FUSED_MIN_ROWS_PER_EXPERT`` rows per expert on (``use_fused``): one wider GEMM beats two (0.6x
-    their time on CPU); in decoding the two plain GEMMs read only the experts in use."""
-    if GROUPED_MM and grouped_mm_ok(x_ND.device.type, x_ND.dtype):
-        if use_fused(x_ND, w_gate_EDI):
-            return GroupedSwiGLU.apply(x_ND, offs_E, w_gate_EDI, w_up_EDI, w_down_EID)
-        gate_NI = torch._grouped_mm(x_ND, w_gate_EDI, offs=offs_E)
-        up_NI = torch._grouped_mm(x_ND, w_up_EDI, offs=offs_E)
-        return torch._grouped_mm(F.silu(gate_NI) * up_NI, w_down_EID, offs=offs_E)
+def grouped_swiglu(x_SD: torch.Tensor, offs_E: torch.Tensor, w_gate_up_ED2I, w_down_EID, rw_S=None) -> torch.Tensor:
+    """SwiGLU over contiguous per-expert segments of ``x_SD`` (rows sorted by expert): expert e takes
+    rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device); each row's output scaled by its
+    routing weight ``rw_S`` (None: unscaled). Rows from offs[-1] on belong to no expert: zero outputs.
+    Gate and up are one stored weight [E, D, 2I] and one grouped GEMM (``expert_mlp.GroupedSwiGLU``,
+    whose backward recomputes the activation product instead of keeping it)."""
+    if GROUPED_MM and grouped_mm_ok(x_SD.device.type, x_SD.dtype):
+        return GroupedSwiGLU.apply(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S)
     with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints
         sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
-    sizes.append(x_ND.shape[0] - sum(sizes))  # the rows after the last segment
-    # unbind, not w[e]: the backward of indexing allocates a zero [E, ...] gradient per expert,
-    # unbind's is one stack (3x faster CPU training steps, identical results)
-    outs = []
-    for x_e, wg, wu, wd in zip(torch.split(x_ND, sizes), w_gate_EDI.unbind(0), w_up_EDI.unbind(0),
-                               w_down_EID.unbind(0)):
-        h = F.silu(x_e @ wg) * (x_e @ wu)
-        outs.append(h @ wd)
-    outs.append(x_ND.new_zeros(sizes[-1], w_down_EID.shape[-1]))
-    return torch.cat(outs)
+    return grouped_swiglu_reference(x_SD, sizes, w_gate_up_ED2I, w_down_EID, rw_S)
 
 
 def grouped_mm_flops(a, b, offs=None, bias=None, out_dtype=None, *, out_val=None, **kwargs) -> int:
@@ -119,7 +92,9 @@ if GROUPED_MM and torch.ops.aten._grouped_mm not in flop_counter.flop_registry:
 
 
 class MoEFeedForward(nn.Module):
-    """Routed experts (+ optional shared expert). Stacked weights: [E, D, I] and [E, I, D]."""
+    """Routed experts (+ optional shared expert). Stacked weights: ``w_gate_up`` [E, D, 2I] (gate
+    columns, then up: one GEMM, see expert_mlp.py) and ``w_down`` [E, I, D]. A state dict holding the
+    two halves as ``w_gate`` / ``w_up`` [E, D, I] (the layout before the fused weight) loads too."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, top_k: int | None = None):
         super().__init__()
@@ -129,14 +104,27 @@ class MoEFeedForward(nn.Module):
         self.dispatch = cfg.moe_dispatch
         inter = cfg.moe_intermediate_size
         self.router = nn.Linear(hidden, cfg.num_experts, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(cfg.num_experts, hidden, inter))
-        self.w_up = nn.Parameter(torch.empty(cfg.num_experts, hidden, inter))
+        self.w_gate_up = nn.Parameter(torch.empty(cfg.num_experts, hidden, 2 * inter))
         self.w_down = nn.Parameter(torch.empty(cfg.num_experts, inter, hidden))
         self.shared = SwiGLU(hidden, cfg.shared_expert_intermediate_size) \
             if cfg.shared_expert_intermediate_size > 0 else None
         # Qwen2-MoE: the shared expert's output scaled by sigmoid(x W_g), one scalar per token
         self.shared_gate = nn.Linear(hidden, 1, bias=False) \
             if self.shared is not None and getattr(cfg, "shared_expert_gate", False) else None
+
+    @property
+    def w_gate(self) -> torch.Tensor:
+        """[E, D, I], a view of ``w_gate_up``."""
+        return self.w_gate_up[..., :self.w_down.shape[1]]
+
+    @property
+    def w_up(self) -> torch.Tensor:
+        """[E, D, I], a view of ``w_gate_up``."""
+        return self.w_gate_up[..., self.w_down.shape[1]:]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        fuse_legacy_gate_up(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def route(self, x_ND: torch.Tensor):
         logits_NE = self.router(x_ND).float()
@@ -151,17 +139,13 @@ class MoEFeedForward(nn.Module):
         the others' assignments are sorted after every expert's segment (id E), outside every group
         of the grouped GEMM (never computed), and masked to zero on the way in and out."""
         N, K = experts_NK.shape
-        E = self.num_experts
-        sorted_e, order, ends_E, counts_E = sort_by_expert(experts_NK, E, keep_N)
-        token_idx = order // K
-        x_sorted = x_ND[token_idx]
-        real_S1 = None if keep_N is None else (sorted_e < E)[:, None]
-        if real_S1 is not None:  # also keeps the unspecified gradient rows of the GEMM out of x
-            x_sorted = torch.where(real_S1, x_sorted, 0.0)
-        y_sorted = grouped_swiglu(x_sorted, ends_E.to(torch.int32), self.w_gate, self.w_up, self.w_down)
-        if real_S1 is not None:
-            y_sorted = torch.where(real_S1, y_sorted, 0.0)
-        return combine(y_sorted, order, weights_NK).to(x_ND.dtype), counts_E
+        _, order_S, ends_E, counts_E = sort_by_expert(experts_NK, self.num_experts, keep_N)
+        token_S, inverse_NK = order_S // K, inverse_order(order_S)
+        x_SD = gather_rows(x_ND, token_S, inverse_NK)
+        rw_S = weights_NK.reshape(-1)[order_S].to(x_ND.dtype)
+        # padding rows lie after the last segment: zero outputs and gradients (grouped_swiglu)
+        y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S)
+        return scatter_sum(y_SD, token_S, inverse_NK, N), counts_E
 
     def experts_loop(self, x_ND, weights_NK, experts_NK) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: one masked pass per expert (tests only)."""
@@ -171,7 +155,8 @@ class MoEFeedForward(nn.Module):
             if tok.numel() == 0:
                 continue
             x_e = x_ND[tok]
-            h = F.silu(x_e @ self.w_gate[e]) * (x_e @ self.w_up[e])
+            gate, up = (x_e @ self.w_gate_up[e]).chunk(2, -1)
+            h = F.silu(gate) * up
             out = out.index_add(0, tok, (h @ self.w_down[e]) * weights_NK[tok, slot, None].to(x_ND.dtype))
         return out, torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
 
@@ -248,20 +233,25 @@ def sort_by_expert(experts_NK: torch.Tensor, num_experts: int, keep_N: torch.Ten
 
 
 def combine(y_SD: torch.Tensor, order_S: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-    """The routing-weighted sum per token [N, D] of the expert outputs ``y_SD``, whose row i holds
-    assignment ``order_S[i]`` (a flat index n * K + k, as ``sort_by_expert`` orders them; rows past
-    ``y_SD``'s end, assignments never sent anywhere, count zero). Weighted in sorted order, gathered
-    back to token order, summed over k: the backward keeps one [S, D] tensor (the mul's input) and
-    indices, where ``index_add_`` would also keep its weighted [S, D] input."""
+    """The routing-weighted sum per token [N, D] of expert outputs ``y_SD`` whose row i holds assignment
+    ``order_S[i]`` (a flat index n * K + k, as ``sort_by_expert`` orders them; rows past ``y_SD``'s
+    end, assignments never sent anywhere, count zero). For outputs not yet weighted (the
+    expert-parallel exchange); the local dispatch folds the weights into the expert MLP."""
     N, K = weights_NK.shape
     S = y_SD.shape[0]
     y_SD = y_SD * weights_NK.reshape(-1)[order_S[:S], None].to(y_SD.dtype)
-    if S < N * K:
-        y_SD = F.pad(y_SD, (0, 0, 0, N * K - S))
-    inverse_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(N * K, device=order_S.device))
-    return y_SD[inverse_S].view(N, K, -1).sum(1)
+    return scatter_sum(y_SD, order_S // K, inverse_order(order_S), N)
 
 
 def init_moe_weights(module: MoEFeedForward, std: float) -> None:
-    for w in (module.w_gate, module.w_up, module.w_down):
+    for w in (module.w_gate_up, module.w_down):
         nn.init.normal_(w, std=std)
+
+
+def fuse_legacy_gate_up(state_dict: dict, prefix: str) -> None:
+    """In place: ``{prefix}w_gate`` and ``{prefix}w_up`` [E, D, I] -> ``{prefix}w_gate_up`` [E, D, 2I]
+    (checkpoints written before the fused weight). One half without the other is left alone, so the
+    load reports it as unexpected."""
+    gate, up = prefix + "w_gate", prefix + "w_up"
+    if gate in state_dict and up in state_dict and prefix + "w_gate_up" not in state_dict:
+        state_dict[prefix + "w_gate_up"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], -1)

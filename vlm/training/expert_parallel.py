@@ -72,7 +72,8 @@ def create_groups(ep_size: int) -> str:
 
 class LocalExperts(nn.Module):
     """This rank's experts, stacked: w1 = gate [E_local, D, I], w3 = up [E_local, D, I], w2 = down
-    [E_local, I, D] (AutoEP's names; dim 0 indexes the local experts, as its checkpoint code needs)."""
+    [E_local, I, D] (AutoEP's names and separate gate / up, as its universal-checkpoint code needs; dim 0
+    indexes the local experts). The forward concatenates w1 and w3 for the one gate+up GEMM."""
 
     def __init__(self, w_gate, w_up, w_down):
         super().__init__()
@@ -151,7 +152,7 @@ class ExpertParallelMoE(_autoep_layer_class()):
         perm = local_e.sort(stable=True).indices
         offs = recv_PL.sum(0).cumsum(0).to(torch.int32)
         w = self.experts
-        y_local = grouped_swiglu(x_recv[perm], offs, w.w1, w.w3, w.w2)
+        y_local = grouped_swiglu(x_recv[perm], offs, torch.cat([w.w1, w.w3], -1), w.w2)
         y_recv = torch.empty_like(y_local).index_copy(0, perm, y_local) if n_recv else y_local
         y_sent = all_to_all_single_autograd(y_recv, send, recv, self.ep_group)
         return combine(y_sent, order_NK, weights_NK).to(x_ND.dtype), counts_E
@@ -177,14 +178,17 @@ def is_expert_parallel(module: nn.Module) -> bool:
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Collective over each expert-parallel group: the state dict with every ``ExpertParallelMoE``'s
-    experts gathered whole and named as in the unsharded model (``w_gate`` / ``w_up`` / ``w_down``)."""
+    experts gathered whole and laid out as in the unsharded model (``w_gate_up`` / ``w_down``)."""
     state = dict(module.state_dict())
     for path, m in module.named_modules():
         if not isinstance(m, ExpertParallelMoE):
             continue
-        for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
+        whole = {}
+        for theirs in ("w1", "w3", "w2"):
             local = state.pop(f"{path}.experts.{theirs}").contiguous()
             parts = [torch.empty_like(local) for _ in range(m.ep_size)]
             dist.all_gather(parts, local, group=m.ep_group)
-            state[f"{path}.{ours}"] = torch.cat(parts)
+            whole[theirs] = torch.cat(parts)
+        state[f"{path}.w_gate_up"] = torch.cat([whole["w1"], whole["w3"]], -1)
+        state[f"{path}.w_down"] = whole["w2"]
     return state

@@ -71,7 +71,7 @@ def test_expert_params_match_the_model():
     for cfg in (_cfg("tiny"), _cfg("tiny_concept", concept_hidden_size=96), _cfg("tiny", first_k_dense=1)):
         with torch.device("meta"):
             model = ConceptMoEForCausalLM(cfg)
-        names = ("w_gate", "w_up", "w_down")
+        names = ("w_gate_up", "w_down")
         numel = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in names)
         assert expert_params(cfg) == numel == count_params(cfg)["experts"]
     assert expert_params(_cfg("tiny")) == 4 * 3 * 8 * 64 * 128

@@ -109,3 +109,50 @@ def test_concept_outputs(tiny_model):
     assert out.boundary_mask.shape == (2, 12) and out.boundary_mask.dtype == torch.bool
     assert torch.equal(out.num_concepts, out.boundary_mask.sum(1))
     assert out.compression["ratio"] == pytest.approx(20 / float(out.num_concepts.sum()))
+
+
+def _split_expert_stacks(folder) -> int:
+    """Rewrite an export's ``*.w_gate_up`` as ``*.w_gate`` / ``*.w_up`` (the layout before the fused weight)."""
+    from safetensors.torch import load_file, save_file
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    fused = [k for k in state if k.endswith(".w_gate_up")]
+    for k in fused:
+        gate, up = state.pop(k).chunk(2, -1)
+        state[k[:-len("w_gate_up")] + "w_gate"], state[k[:-len("w_gate_up")] + "w_up"] = gate.contiguous(), up.contiguous()
+    save_file(state, path, metadata={"format": "pt"})
+    return len(fused)
+
+
+def test_an_export_with_separate_gate_and_up_loads_fused(tmp_path, tiny_model, caplog):
+    """An export written before the fused expert weight (``w_gate`` / ``w_up`` in the safetensors) loads
+    through ``from_pretrained`` and the Auto class with every expert stack exact, reports no missing or
+    unexpected key, and says so in one line."""
+    model = tiny_model("tiny_concept")
+    model.save_pretrained(tmp_path)
+    n = _split_expert_stacks(tmp_path)
+    assert n == sum(1 for k in model.state_dict() if k.endswith(".w_gate_up")) > 0
+    with caplog.at_level("WARNING", logger="vlm.modeling.legacy_experts"):
+        got, info = ConceptMoEForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert [r.getMessage().count("\n") for r in caplog.records if "w_gate / w_up" in r.getMessage()] == [0]
+    for k, v in model.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(1, V, (1, 9))
+    torch.testing.assert_close(auto(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_vlm_export_with_separate_gate_and_up_loads_fused(tmp_path):
+    """The same for a VLM export (keys under ``language_model.model.layers.*.ffn``)."""
+    from test_vlm_model import build
+
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration as VLM
+
+    model = build()
+    model.save_pretrained(tmp_path)
+    assert _split_expert_stacks(tmp_path) > 0
+    got, info = VLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in model.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k

@@ -82,7 +82,7 @@ def test_sorted_equals_loop_forward_and_grads(shared, padded):
     assert torch.equal(s1.tokens_per_expert, s2.tokens_per_expert)
     torch.testing.assert_close(s1.lb_loss, s2.lb_loss, **tol(1e-6, 1e-6))
     names = ["input"] + [n for n, _ in sorted_moe.named_parameters()]
-    assert len(g1) == len(names) == 1 + 4 + (3 if shared else 0)  # input, router, 3 expert stacks, shared
+    assert len(g1) == len(names) == 1 + 3 + (3 if shared else 0)  # input, router, 2 expert stacks, shared
     for name, a, b in zip(names, g1, g2):
         assert a.abs().sum() > 0, name  # every weight gets a gradient
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5), msg=name)
@@ -154,9 +154,10 @@ def test_all_padding_row_block():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_backward_keeps_two_top_k_buffers(padded):
-    """Issue 27 item 2: the sorted dispatch keeps two [N * K, D] tensors for the backward, the grouped
-    GEMM's input and the combine's unweighted expert outputs (no third for an ``index_add_`` source)."""
+def test_backward_keeps_one_top_k_buffer(padded):
+    """Issue 27 item 2: the sorted dispatch keeps ONE [N * K, D] tensor for the backward, the grouped
+    GEMM's input: the routing weights scale the expert MLP's activation, so no expert output is kept
+    for their gradient, and the sum back per token keeps only indices."""
     moe = make_moe()
     N = 2 * 16
     x = dev(torch.randn(2, 16, D)).requires_grad_()
@@ -170,42 +171,69 @@ def test_backward_keeps_two_top_k_buffers(padded):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y, _ = moe(x, valid if padded else None)
-    assert len(storages) == 2, len(storages)
+    assert len(storages) == 1, len(storages)
     y.sum().backward()  # the saved graph still runs
 
 
-def test_training_batch_runs_gate_and_up_as_one_gemm(monkeypatch):
-    """Issue 27 item 3: with enough rows per expert the sorted dispatch runs two grouped GEMMs (fused
-    gate + up, then down), not three; the weights stay two stacks, the [E, D, 2I] concatenation is
-    not kept for the backward; outputs and every gradient equal the per-expert loop."""
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_gate_and_up_are_one_stored_weight_and_one_gemm(monkeypatch, grad):
+    """Issue 27 item 3: gate and up are ONE stored parameter [E, D, 2I] and the sorted dispatch runs two
+    grouped GEMMs (gate + up, then down), not three, at any rows per expert; no copy of the weight
+    is made or kept for the backward (the one [E, D, 2I] tensor saved is the parameter itself);
+    outputs and every gradient equal the per-expert loop."""
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[1].shape) or grouped_mm(*a, **k))
     sorted_moe, loop_moe = make_moe(8, "sorted"), make_moe(8, "loop")
     loop_moe.load_state_dict(sorted_moe.state_dict())
-    E, I = sorted_moe.num_experts, sorted_moe.w_gate.shape[-1]
-    tokens = moe_mod.FUSED_MIN_ROWS_PER_EXPERT * E // sorted_moe.top_k + 3
-    assert {n for n, _ in sorted_moe.named_parameters() if n.startswith("w_")} == {"w_gate", "w_up", "w_down"}
-    x = dev(torch.randn(1, tokens, D))
+    E, I = sorted_moe.num_experts, sorted_moe.w_down.shape[1]
+    assert {n: tuple(p.shape) for n, p in sorted_moe.named_parameters() if n.startswith("w_")} == \
+        {"w_gate_up": (E, D, 2 * I), "w_down": (E, I, D)}
+    x = dev(torch.randn(1, 3, D))  # decode-sized: fewer rows than experts
     wide = []
 
     def pack(t):
-        if tuple(t.shape[-2:]) == (D, 2 * I):
-            wide.append(t.shape)
+        if tuple(t.shape[-2:]) == (D, 2 * I) and not loop:  # the loop reference saves per-expert views
+            wide.append(t.data_ptr())
         return t
     outs = []
     for moe in (sorted_moe, loop_moe):
-        xi = x.clone().requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loop = moe is loop_moe
+        xi = x.clone().requires_grad_(grad)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.set_grad_enabled(grad):
+            if moe is sorted_moe:
+                cat = torch.cat
+                monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: cat(ts, *a, **k) if all(
+                    t.shape[-1] != I for t in ts) else pytest.fail("a gate / up weight concatenation"))
             y, st = moe(xi)
+            monkeypatch.setattr(torch, "cat", cat)
         if moe is sorted_moe:
             assert [tuple(s[-1:]) for s in calls] == [(2 * I,), (D,)], calls  # gate+up, down
-        outs.append((y, torch.autograd.grad((y ** 2).sum() + st.lb_loss, [xi] + list(moe.parameters()))))
-    assert wide == []
+        outs.append((y, torch.autograd.grad((y ** 2).sum() + st.lb_loss, [xi] + list(moe.parameters()))
+                     if grad else ()))
+    assert set(wide) == ({sorted_moe.w_gate_up.data_ptr()} if grad else set())
     (y1, g1), (y2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
+
+
+def test_a_state_dict_with_separate_gate_and_up_loads_fused():
+    """Checkpoints written before the fused weight hold ``w_gate`` / ``w_up`` [E, D, I]: they load into
+    ``w_gate_up`` (gate columns first), with no missing or unexpected key; a lone half is unexpected."""
+    moe = make_moe(8)
+    I = moe.w_down.shape[1]
+    old = {k: v for k, v in moe.state_dict().items() if k != "w_gate_up"}
+    old["w_gate"], old["w_up"] = moe.w_gate_up[..., :I].clone(), moe.w_gate_up[..., I:].clone()
+    fresh = make_moe(8)
+    torch.nn.init.zeros_(fresh.w_gate_up)
+    result = fresh.load_state_dict(old, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(fresh.w_gate_up, moe.w_gate_up)
+    assert torch.equal(fresh.w_gate, old["w_gate"]) and torch.equal(fresh.w_up, old["w_up"])
+    lone = {k: v for k, v in old.items() if k != "w_up"}
+    result = make_moe(8).load_state_dict(lone, strict=False)
+    assert result.missing_keys == ["w_gate_up"] and result.unexpected_keys == ["w_gate"]
 
 
 def test_model_level_dispatch_equivalence(tiny_model):
@@ -220,38 +248,38 @@ def test_model_level_dispatch_equivalence(tiny_model):
 @pytest.mark.parametrize("sizes, tail", [([5, 0, 3, 9, 0, 1], 0), ([0, 0, 0, 0, 0, 18], 0),
                                          ([18, 0, 0, 0, 0, 0], 0), ([4, 2, 0, 7, 1, 0], 5), ([0] * 6, 4)],
                          ids=["mixed", "all-last", "all-first", "mixed+5-outside", "all-outside"])
-@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "fused"])
-def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, fused):
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "routing-weighted"])
+def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, weighted):
     """The device-offset grouped path (``torch._grouped_mm``; a C++ loop on the CPU) == the split loop
     over host-read segment sizes (the fallback where no grouped GEMM exists, one named host sync),
-    fp32 forward and backward (input and the three expert stacks), empty segments included. ``tail``
-    rows after the last segment belong to no expert (padding): unspecified outputs, compared on
-    the segments only, and they take no part in the weight gradients. ``fused``: gate and up as one
-    grouped GEMM (``expert_mlp.GroupedSwiGLU``, its own backward), the same figures."""
-    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else None)
+    fp32 forward and backward (input, the two expert stacks, the per-row routing weights), empty
+    segments included. ``tail`` rows after the last segment belong to no expert (padding): zero
+    outputs, zero input and routing-weight gradients even where the caller sends them a gradient,
+    and no part in the weight gradients. Without a gradient: the same outputs."""
     E, I = len(sizes), 24
     n = sum(sizes)
     g = torch.Generator().manual_seed(0)
     x = dev(torch.randn(n + tail, D, generator=g))
-    ws = [dev(torch.randn(E, D, I, generator=g) * 0.2), dev(torch.randn(E, D, I, generator=g) * 0.2),
-          dev(torch.randn(E, I, D, generator=g) * 0.2)]
+    ws = [dev(torch.randn(E, D, 2 * I, generator=g) * 0.2), dev(torch.randn(E, I, D, generator=g) * 0.2)]
+    ws.append(dev(torch.rand(n + tail, generator=g)) if weighted else None)
     offs = dev(torch.tensor(sizes).cumsum(0).to(torch.int32))
     g_out = dev(torch.randn(n + tail, D, generator=g))
-    g_out[n:] = 0.0
     outs = []
     for grouped in (True, False):
         monkeypatch.setattr(moe_mod, "GROUPED_MM", grouped)
-        leaves = [t.clone().requires_grad_() for t in [x] + ws]
+        leaves = [t.clone().requires_grad_() for t in [x] + ws if t is not None]
         with counting() as named:
-            y = grouped_swiglu(leaves[0], offs, *leaves[1:])
-            y = torch.where(torch.arange(n + tail, device=DEVICE)[:, None] < n, y, 0.0)  # as the caller does
+            y = grouped_swiglu(leaves[0], offs, *leaves[1:3], leaves[3] if weighted else None)
             grads = torch.autograd.grad((y * g_out).sum(), leaves)
         assert named == ({} if grouped else {moe_mod.SPLIT_SYNC: 1})
         assert y.shape == (n + tail, D)
-        outs.append((y[:n], (grads[0][:n],) + grads[1:]))
+        assert not y[n:].any() and not grads[0][n:].any() and not (weighted and grads[3][n:].any())
+        with torch.no_grad():
+            torch.testing.assert_close(grouped_swiglu(x, offs, *ws), y, rtol=0, atol=0)
+        outs.append((y, grads))
     (y1, g1), (y2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
-    for name, a, b in zip(["input", "w_gate", "w_up", "w_down"], g1, g2):
+    for name, a, b in zip(["input", "w_gate_up", "w_down", "routing weights"], g1, g2):
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5), msg=name)
 
 
@@ -277,13 +305,11 @@ def test_split_fallback_dispatch_equals_loop(monkeypatch):
         torch.testing.assert_close(a, b, **tol(1e-5, 1e-5))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["gate+up", "fused"])
-def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch, fused):
+def test_grouped_mm_flops_equal_the_split_loop_matmuls(monkeypatch):
     """``FlopCounterMode`` counts the grouped dispatch (our formula for ``torch._grouped_mm``) exactly
     as the split loop's plain matmuls, forward and forward + backward, padding (rows outside every
-    group) excluded; the same with gate and up fused into one GEMM."""
+    group) excluded, gate and up as one GEMM."""
     from torch.utils.flop_counter import FlopCounterMode
-    monkeypatch.setattr(moe_mod, "FUSED_MIN_ROWS_PER_EXPERT", 0 if fused else None)
     moe = make_moe()
     x = dev(torch.randn(2, 9, D))
     valid = dev(torch.ones(2, 9, dtype=torch.bool))
@@ -362,17 +388,16 @@ def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
     xg, wg = x.clone().requires_grad_(), w_NK.clone().requires_grad_()
     xr, wr = x.float().requires_grad_(), w_NK.clone().requires_grad_()
     y_g, counts_g = moe_bf.experts_sorted(xg, wg, e_NK)
-    fused = True  # a gradient flows (training): gate + up as one GEMM whatever the rows (moe.use_fused)
-    assert len(calls) == (2 if fused else 3), "the bf16 CUDA dispatch did not take torch._grouped_mm"
+    assert len(calls) == 2, "the bf16 CUDA dispatch did not take torch._grouped_mm (gate + up, down)"
     y_r, counts_r = ref.experts_loop(xr, wr, e_NK)
     assert y_g.dtype == torch.bfloat16 and torch.equal(counts_g, counts_r)
     assert (counts_g == 0).any() if n_tokens == 3 else (counts_g > 0).all()
     assert _rel_err(y_g, y_r) < BF16_REL, _rel_err(y_g, y_r)
     torch.testing.assert_close(y_g.float(), y_r, **tol(0, dtype=torch.bfloat16))
     g_out = dev(torch.randn(y_r.shape, generator=torch.Generator().manual_seed(1)))
-    grads_g = torch.autograd.grad((y_g.float() * g_out).sum(), [xg, wg, moe_bf.w_gate, moe_bf.w_up, moe_bf.w_down])
-    grads_r = torch.autograd.grad((y_r * g_out).sum(), [xr, wr, ref.w_gate, ref.w_up, ref.w_down])
-    for name, a, b in zip(["input", "routing weights", "w_gate", "w_up", "w_down"], grads_g, grads_r):
+    grads_g = torch.autograd.grad((y_g.float() * g_out).sum(), [xg, wg, moe_bf.w_gate_up, moe_bf.w_down])
+    grads_r = torch.autograd.grad((y_r * g_out).sum(), [xr, wr, ref.w_gate_up, ref.w_down])
+    for name, a, b in zip(["input", "routing weights", "w_gate_up", "w_down"], grads_g, grads_r):
         assert torch.isfinite(a).all(), name
         if b.abs().sum() == 0:  # an expert stack no token reached (3 tokens): zero both ways
             assert a.abs().sum() == 0, name

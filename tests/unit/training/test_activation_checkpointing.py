@@ -197,9 +197,9 @@ def saved_bytes(fn) -> tuple[int, object]:
 
 
 def test_selective_recomputes_the_part_that_keeps_the_most_bytes():
-    """Per block (tiny model, one 4096-token document): the FFN half keeps > 2.5x the attention half's
-    bytes (measured 15.4 vs 5.6 MiB with the expert MLP and RMSNorm functions that recompute their
-    activation products) while its recompute costs fewer FLOPs (the attention core alone is
+    """Per block (tiny model, one 4096-token document): the FFN half keeps > 2x the attention half's
+    bytes (measured 13.4 vs 5.6 MiB with the expert MLP and RMSNorm functions that recompute their
+    activation products and the routing weights folded into the expert MLP) while its recompute costs fewer FLOPs (the attention core alone is
     2 T^2 D for a causal T-token document: 2.1 GFLOP; the whole FFN half, counted, ~0.4)."""
     model = build_model("tiny_concept").train()
     block, T, D = model.model.layers[0], 4096, model.config.hidden_size
@@ -209,7 +209,7 @@ def test_selective_recomputes_the_part_that_keeps_the_most_bytes():
     ffn_bytes, _ = saved_bytes(lambda: block._ffn_half(h, None))
     print(f"\nsaved per block at T={T}: attention half {attn_bytes / 2**20:.1f} MiB, "
           f"FFN half {ffn_bytes / 2**20:.1f} MiB")
-    assert ffn_bytes > 2.5 * attn_bytes
+    assert ffn_bytes > 2 * attn_bytes
     with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as fc:
         block._ffn_half(h, None)
     assert fc.get_total_flops() < 2 * T * T * D  # < the causal attention core's FLOPs
