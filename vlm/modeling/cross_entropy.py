@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMS = 2 ** 22  # 16 MiB of fp32 per row chunk
+CHUNK_ELEMS = 2 ** 20  # 4 MiB of fp32 per row chunk (2K x 16K logits on 2 cores: 104 ms forward + backward, 2 ** 22: 115)
 
 
 def _rows(V: int) -> int:
@@ -44,8 +44,8 @@ class CrossEntropySum(torch.autograd.Function):
         step = _rows(V)
         for s in range(0, N, step):
             sl = slice(s, s + step)
-            if logits_NV.dtype == torch.float32:
-                torch.sub(logits_NV[sl], lse_N[sl, None], out=grad_NV[sl]).exp_().mul_(scale_N1[sl])
+            if logits_NV.dtype == torch.float32:  # the softmax written straight into the gradient
+                torch.ops.aten._softmax.out(logits_NV[sl], -1, False, out=grad_NV[sl]).mul_(scale_N1[sl])
             else:
                 grad_NV[sl] = (logits_NV[sl].float() - lse_N[sl, None]).exp_().mul_(scale_N1[sl])
         grad_NV.scatter_add_(1, safe_N[:, None], (-scale_N1).to(grad_NV.dtype))
