@@ -56,6 +56,7 @@ class SwiGLU(nn.Module):
 
 
 GROUPED_MM = hasattr(torch, "_grouped_mm")
+EXPERT_LAYOUT = "w_gate_up"  # the routed experts' parameters; training checkpoints record it (resume check)
 SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split needs the segment sizes"
 
 

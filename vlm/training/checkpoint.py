@@ -205,6 +205,24 @@ class ResumeError(RuntimeError):
     """A checkpoint that cannot be resumed here (DeepSpeed found nothing, a refused world-size change)."""
 
 
+def check_expert_layout(path, model) -> None:
+    """Refuse (``ResumeError``) a checkpoint of a model with local MoE experts that was written before
+    their gate and up became one parameter (``trainer_state.json`` without ``expert_layout``): its
+    module weights would load (``MoEFeedForward`` fuses ``w_gate`` / ``w_up``), but DeepSpeed's flat
+    optimizer partitions hold the old parameter order at the same total size, so the fp32 master
+    weights and Adam moments would land in the wrong places without an error."""
+    from vlm.modeling.moe import EXPERT_LAYOUT, MoEFeedForward
+
+    if path is None or not any(isinstance(m, MoEFeedForward) for m in model.modules()):
+        return
+    saved = read_json(Path(path) / TRAINER_STATE).get("expert_layout")
+    if saved != EXPERT_LAYOUT:
+        raise ResumeError(f"checkpoint {path} was written before the experts' gate and up were one parameter "
+                          f"({EXPERT_LAYOUT}): its optimizer state does not map onto this model; resume it with the "
+                          "version that wrote it, or start a new run from its HF export (model.init_from loads "
+                          "the old layout)")
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the previous one is intact."""
 

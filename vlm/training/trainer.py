@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vlm.config.train import TrainConfig
+from vlm.modeling.moe import EXPERT_LAYOUT
 from vlm.training import checkpoint as ckpt
 from vlm.training import optim, reshard
 from vlm.training.callbacks.base import Callback, StepEnd
@@ -92,6 +93,7 @@ class Trainer:
 
         # another world size: the checkpoint is converted once to DeepSpeed's universal format here (reshard.py)
         self.resume_path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
+        ckpt.check_expert_layout(self.resume_path, model)
         self.universal = reshard.prepare(self.resume_path, self.world_size, self.zero_stage, self.ds_config,
                                          self.rank, self.log_line, cfg.parallel.expert_parallel_size)
         if self.zero_stage == 0:
@@ -215,6 +217,7 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
         return {**self.progress.counters(), "deepspeed": self.cfg.deepspeed, "zero_stage": self.zero_stage,
+                "expert_layout": EXPERT_LAYOUT,
                 "config": self.cfg.to_dict(), "last_metrics": self.progress.last_metrics()}
 
     def save_checkpoint(self) -> Path:

@@ -144,3 +144,21 @@ def test_kill_during_save_then_resume_auto(tmp_path):
     assert resumed[3] == pytest.approx(before[3], abs=1e-5) and resumed[4] == pytest.approx(before[4], abs=1e-5)
     assert [p.name for p in ckpt.list_checkpoints(ck)] == ["step_000004", "step_000006"]
     assert not (ck / "step_000004.tmp").exists()
+
+
+def test_a_checkpoint_from_before_the_fused_expert_weight_is_refused(tmp_path):
+    """A checkpoint whose trainer_state.json has no ``expert_layout`` (written while the experts' gate and
+    up were two parameters) is refused on resume with one line: DeepSpeed would load its flat
+    optimizer partitions, same total size, into the new parameter order without an error. The same
+    checkpoint with the field resumes."""
+    raw = helpers.config(tmp_path, name="layout", train={"max_steps": 2}, checkpoint={"every_steps": 2})
+    helpers.run_inprocess(raw, tmp_path)
+    state_file = tmp_path / "layout" / "ckpt" / "step_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["expert_layout"] == "w_gate_up"
+    del state["expert_layout"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ckpt.ResumeError) as err:
+        helpers.run_inprocess({**raw, "train": {**raw["train"], "max_steps": 3}}, tmp_path, resume="auto")
+    msg = str(err.value)
+    assert "\n" not in msg and "before the experts' gate and up were one parameter" in msg, msg
