@@ -145,7 +145,7 @@ def launch(job: dict, ranks: int, start_method: str) -> list:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from vlm.training.distributed import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     if start_method == "auto":  # fork reuses this process's imports (deepspeed: ~20 s a process on 2 cores)
         start_method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
@@ -156,7 +156,7 @@ def launch(job: dict, ranks: int, start_method: str) -> list:
         import vlm.training.expert_parallel  # noqa: F401
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        mp.start_processes(_worker, args=(ranks, free_port(), job, str(out)), nprocs=ranks, join=True,
+        mp.start_processes(_worker, args=(ranks, get_free_port(), job, str(out)), nprocs=ranks, join=True,
                            start_method=start_method)
         return json.loads(out.read_text())
 

@@ -10,7 +10,8 @@
 (the run's commit, whether this tree's code / configs differ from it, date, CPU count, the model's target
 R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
-(``prefill.json``, ``decode.json``: written by ``make bench``). ``--check`` (and
+(``prefill.json``, ``decode.json``: written by ``make bench``; ``vs_transformers.json`` and
+``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -89,6 +90,58 @@ def render_bench(prefill: dict, decode: dict) -> str:
     return "\n" + "\n".join(lines) + "\n\n" + source + "\n"
 
 
+VS_HF_TARGETS = (  # (label, target, cell getter over one family's results of one file)
+    ("training step time, ours (full loss) / transformers", 0.90,
+     lambda fam: fam["train"][0]["vs_hf"]["ours_full"]["time_ratio"]),
+    ("training step peak resident memory, ours / transformers", 1.0,
+     lambda fam: fam["train"][0]["vs_hf"]["ours_full"]["peak_ratio"]),
+)
+VS_HF_DECODE = ("decode per step at batch 8, ours / transformers' StaticCache", 0.90)
+VS_HF_KV = ("R = 2 model: allocated concept-layer KV / plain model's same layers", 0.6)
+
+
+def _verdict(values: dict[str, float], target: float) -> str:
+    met = [f for f, v in values.items() if v <= target]
+    if len(met) == len(values):
+        return "met"
+    return "missed" if not met else "met for " + ", ".join(met) + ", missed for " + \
+        ", ".join(f for f in values if f not in met)
+
+
+def render_vs_transformers(runs: list[dict]) -> str:
+    """docs/performance.md's target table: ours vs transformers on the same weights, per training length
+    (one results file each) and the decode / KV rows of the file that has them; verdicts from the
+    exact ratios (the cells are rounded)."""
+    families = list(runs[0]["results"])
+    names = {"olmoe": "OLMoE", "qwen3_moe": "Qwen3-MoE"}
+    lines = ["| target | " + " | ".join(names.get(f, f) for f in families) + " | verdict |",
+             "| --- |" + " ---: |" * len(families) + " --- |"]
+
+    def row(label, target, values, fmt="{:.3f}x"):
+        bound = f"{target:.2f}x" if fmt.endswith("x") else f"{target:g}"
+        lines.append(f"| {label} (<= {bound}) | "
+                     + " | ".join(fmt.format(v) for v in values.values()) + f" | {_verdict(values, target)} |")
+    sources = []
+    for run in runs:
+        T = run["results"][families[0]]["train"][0]["seq_len"]
+        for label, target, get in VS_HF_TARGETS:
+            row(f"{label}, {T // 1024}K tokens", target, {f: get(run["results"][f]) for f in families})
+        decode = {f: [d for d in run["results"][f]["decode"] if d["batch"] == 8] for f in families}
+        if all(decode.values()):
+            row(VS_HF_DECODE[0], VS_HF_DECODE[1],
+                {f: d[0]["decode"]["vs_hf_static"]["ours"]["time_ratio"] for f, d in decode.items()})
+            row(VS_HF_KV[0], VS_HF_KV[1], {f: d[0]["R2_concept_allocated_over_plain"] for f, d in decode.items()},
+                fmt="{:.3f}")
+        m, st = run["machine"], run["settings"]
+        sources.append(f"{T // 1024}K: commit {m['git']}, {st['reps']} interleaved rounds, load average "
+                       f"{m['load_average_1_5_15'][0]:.2f}")
+    tag = {2048: "", 8192: "_8K"}
+    files = ", ".join(f"`benchmarks/results/vs_transformers{tag.get(r['settings']['sizes'][0], '')}.json`"
+                      for r in runs)
+    return ("\n" + "\n".join(lines) + f"\n\n{runs[0]['machine']['cpu']}, {runs[0]['settings']['dtype']}, torch threads "
+            f"{runs[0]['settings']['threads']}; " + "; ".join(sources) + f" ({files}).\n")
+
+
 def rendered(results_dir: Path = RESULTS) -> dict[str, str]:
     """The demo run's figures (docs/results/train-vlm/)."""
     def load(name):
@@ -102,7 +155,8 @@ def rendered_bench(bench_dir: Path = BENCH) -> dict[str, str]:
     def load(name):
         return json.loads((bench_dir / name).read_text(encoding="utf-8"))
 
-    return {"bench": render_bench(load("prefill.json"), load("decode.json"))}
+    vs_hf = [load(name) for name in ("vs_transformers.json", "vs_transformers_8K.json") if (bench_dir / name).exists()]
+    return {"bench": render_bench(load("prefill.json"), load("decode.json")), "vs_transformers": render_vs_transformers(vs_hf)}
 
 
 def all_figures() -> dict[str, str]:

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
-from vlm.training.distributed import free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 NODES = 2
 TOL = 1e-6               # fp32 on CPU: the resumed run must reproduce the reference to this
@@ -171,7 +171,7 @@ def write_config(work: Path, name: str, steps: int, ckpt_every: int, dist_timeou
 
 
 def launch(result: Result, phase: str, config: Path, extra: list[str] = ()) -> Phase:
-    work, port = result.work, free_port()
+    work, port = result.work, get_free_port()
     hostfile = work / "hostfile"
     # torchrun's agents log the rendezvous result (group_rank / group_world_size) at INFO
     env = runs.clean_env(**({"LOGLEVEL": "INFO"} if result.launcher == "torchrun" else {}))

@@ -16,7 +16,7 @@ from vlm.reliability.runs import (  # noqa: F401
     records,
     write_config,
 )
-from vlm.training.distributed import free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 from vlm.config.train import REPO_ROOT
 
 
@@ -52,7 +52,7 @@ def launch(config_path: Path, nproc: int = 1, args=(), timeout: float = 300, lau
     elif launcher == "torchrun":
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
     elif launcher == "deepspeed":
-        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port()),
+        cmd = [py, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(get_free_port()),
                "--module", module]
     else:
         raise ValueError(launcher)

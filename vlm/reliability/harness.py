@@ -16,7 +16,7 @@ import yaml
 from vlm.reliability import runs
 from vlm.training import checkpoint as ckpt
 from vlm.reliability.faults import ENV
-from vlm.training.distributed import free_port
+from torch.distributed.elastic.utils.distributed import get_free_port
 from vlm.config.train import REPO_ROOT
 
 STEPS = 30          # optimizer steps per run
@@ -57,7 +57,7 @@ class Run:
             cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
             self._spawn(cmd + args, env, self.config.parent / f"{raw['name']}.{attempt}.log")
         elif launcher == "manual":
-            port = str(free_port())
+            port = str(get_free_port())
             for rank in range(nproc):
                 renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}

@@ -206,11 +206,9 @@ class ResumeError(RuntimeError):
 
 
 def check_expert_layout(path, model) -> None:
-    """Refuse (``ResumeError``) a checkpoint of a model with local MoE experts that was written before
-    their gate and up became one parameter (``trainer_state.json`` without ``expert_layout``): its
-    module weights would load (``MoEFeedForward`` fuses ``w_gate`` / ``w_up``), but DeepSpeed's flat
-    optimizer partitions hold the old parameter order at the same total size, so the fp32 master
-    weights and Adam moments would land in the wrong places without an error."""
+    """Refuse a checkpoint of a model with local MoE experts written before their gate and up became one
+    parameter (no ``expert_layout``): DeepSpeed's flat optimizer partitions hold the old parameter
+    order at the same total size, so master weights and moments would land wrong without an error."""
     from vlm.modeling.moe import EXPERT_LAYOUT, MoEFeedForward
 
     if path is None or not any(isinstance(m, MoEFeedForward) for m in model.modules()):

@@ -5,18 +5,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from datetime import timedelta
 
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from vlm.config.threads import apply_cpu_threads
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_env_defaults() -> bool:
@@ -26,7 +20,7 @@ def set_env_defaults() -> bool:
         return False
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(get_free_port()))
     return True
 
 

@@ -155,7 +155,7 @@ def stock_runs(tmp_path_factory):
     """Writes the data, fills a test HF_HOME's datasets cache with the documented command
     (``eval_suites.stock_data --task T --split NAME=FILES``), starts both CLI runs; yields them."""
     from eval_suites import stock_data
-    from vlm.training.distributed import free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     base = tmp_path_factory.mktemp("stock")
     hf_home = base / "hf_home"
@@ -178,7 +178,7 @@ def stock_runs(tmp_path_factory):
     for name, (cmd, out, run_env) in commands.items():
         log_path = base / f"{name}.log"  # a file, not a pipe: an unread pipe would stall the run
         with open(log_path, "w") as log:
-            runs[name] = (subprocess.Popen(cmd, cwd=str(REPO), env=dict(run_env, MASTER_PORT=str(free_port())),
+            runs[name] = (subprocess.Popen(cmd, cwd=str(REPO), env=dict(run_env, MASTER_PORT=str(get_free_port())),
                                            stdout=log, stderr=subprocess.STDOUT), out, log_path)
     yield runs
     for proc, _, _ in runs.values():

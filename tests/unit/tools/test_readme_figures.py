@@ -24,7 +24,7 @@ def _load(name: str) -> dict:
 def test_readme_figures_are_the_committed_runs():
     spans = figures.page_spans()
     expected = figures.all_figures()
-    assert set(spans) == {"train", "eval", "bench"}
+    assert set(spans) == {"train", "eval", "bench", "vs_transformers"}
     assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
         assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
@@ -53,6 +53,27 @@ def test_every_figure_comes_from_the_files():
     changed = copy.deepcopy(results)
     changed["results"]["cmoe_digits_mc"]["acc,none"] = 0.123
     assert "acc **0.123**" in figures.render_eval(changed)
+
+
+def test_vs_transformers_cells_and_verdicts_come_from_the_files():
+    """The target table of docs/performance.md: each cell moves with its ratio in vs_transformers.json, and
+    the verdict follows the exact ratio against the target (a cell that rounds to the target can miss)."""
+    run = json.loads((figures.BENCH / "vs_transformers.json").read_text())
+    fams = list(run["results"])
+    for fam in fams:
+        run["results"][fam]["train"][0]["vs_hf"]["ours_full"]["time_ratio"] = 0.8
+    text = figures.render_vs_transformers([run])
+    assert "| 0.800x | 0.800x | met |" in text
+    run["results"][fams[0]]["train"][0]["vs_hf"]["ours_full"]["time_ratio"] = 0.9004
+    text = figures.render_vs_transformers([run])
+    assert "| 0.900x | 0.800x | met for " + fams[1] + ", missed for " + fams[0] + " |" in text
+    eight = copy.deepcopy(run)
+    for fam in fams:
+        eight["results"][fam]["train"][0]["seq_len"] = 8192
+        eight["results"][fam]["decode"] = []
+    eight["settings"]["sizes"] = [8192]
+    both = figures.render_vs_transformers([run, eight])
+    assert ", 8K tokens (<= 0.90x)" in both and both.count("StaticCache") == 1 and "vs_transformers_8K.json" in both
 
 
 def test_publish_copies_the_run_files_and_rewrites_the_spans(tmp_path):
