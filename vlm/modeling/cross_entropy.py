@@ -45,15 +45,15 @@ class CrossEntropySum(torch.autograd.Function):
         N = logits_NV.shape[0]
         scale_N1 = torch.where(valid_N, g.float(), 0.0)[:, None]  # d loss / d logit = scale * (softmax - onehot)
         grad_NV = torch.empty_like(logits_NV)
-        step = _rows(logits_NV)
+        step, fp32 = _rows(logits_NV), logits_NV.dtype == torch.float32
         for s in range(0, N, step):
             sl = slice(s, s + step)
-            if logits_NV.dtype == torch.float32:  # the softmax written straight into the gradient
+            if fp32:  # the softmax written straight into the gradient
                 g_cV = torch.ops.aten._softmax.out(logits_NV[sl], -1, False, out=grad_NV[sl]).mul_(scale_N1[sl])
             else:  # fp32 math, one rounding to the logits' dtype (after the one-hot term)
                 g_cV = (logits_NV[sl].float() - lse_N[sl, None]).exp_().mul_(scale_N1[sl])
             g_cV.scatter_add_(1, safe_N[sl, None], -scale_N1[sl])
-            if g_cV.data_ptr() != grad_NV[sl].data_ptr():
+            if not fp32:
                 grad_NV[sl] = g_cV
         return grad_NV, None, None
 

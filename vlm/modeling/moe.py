@@ -31,6 +31,7 @@ from torch.utils import flop_counter
 from .configuration_conceptmoe import MoEConfig
 from .expert_mlp import GroupedSwiGLU, grouped_swiglu_reference
 from .features import grouped_mm_ok
+from .legacy_experts import fuse_legacy_gate_up
 from .syncs import host_sync
 from .token_reorder import gather_rows, inverse_order, scatter_sum
 
@@ -138,7 +139,7 @@ class MoEFeedForward(nn.Module):
     def experts_sorted(self, x_ND, weights_NK, experts_NK, keep_N=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The dropless grouped dispatch; no host sync. ``keep_N`` (optional, bool): the real tokens;
         the others' assignments are sorted after every expert's segment (id E), outside every group
-        of the grouped GEMM (never computed), and masked to zero on the way in and out."""
+        of the grouped GEMM (never computed; zero outputs and gradients, see ``grouped_swiglu``)."""
         N, K = experts_NK.shape
         _, order_S, ends_E, counts_E = sort_by_expert(experts_NK, self.num_experts, keep_N)
         token_S, inverse_NK = order_S // K, inverse_order(order_S)
@@ -248,11 +249,3 @@ def init_moe_weights(module: MoEFeedForward, std: float) -> None:
     for w in (module.w_gate_up, module.w_down):
         nn.init.normal_(w, std=std)
 
-
-def fuse_legacy_gate_up(state_dict: dict, prefix: str) -> None:
-    """In place: ``{prefix}w_gate`` and ``{prefix}w_up`` [E, D, I] -> ``{prefix}w_gate_up`` [E, D, 2I]
-    (checkpoints written before the fused weight). One half without the other is left alone, so the
-    load reports it as unexpected."""
-    gate, up = prefix + "w_gate", prefix + "w_up"
-    if gate in state_dict and up in state_dict and prefix + "w_gate_up" not in state_dict:
-        state_dict[prefix + "w_gate_up"] = torch.cat([state_dict.pop(gate), state_dict.pop(up)], -1)
