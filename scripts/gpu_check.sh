@@ -51,11 +51,14 @@ if [[ "$DEVICE" == cpu ]]; then  # the rehearsal: same steps, tiny sizes, fp32
                             train.micro_batch_size=8 log.every_steps=2)
   MFU_OVR=(device=cpu precision=fp32 train.max_steps=2 data.max_length=512 model.num_experts=8
            model.hidden_size=64 model.num_attention_heads=4 model.num_key_value_heads=2
-           model.moe_intermediate_size=64 model.num_hidden_layers=6 log.every_steps=1)
+           model.moe_intermediate_size=64 model.num_hidden_layers=6 log.every_steps=1 train.micro_batch_size=4
+           'log.profile_steps=[1,1]')
+  MFU_REPORT_ARGS=(--allow-unsteady)  # 2 steps: the router has not reached its target
   MIN_DROP=0.02   # 10 steps: the pipeline is rehearsed, not the learning
   BENCH_ARGS=(--smoke) TEST_DEVICE=cpu LIMIT_SCALE=4   # 2 shared CPU cores: the GPU limits x 4
 else
-  TRAIN_STEPS=100 TRAIN_OVR=(device=cuda precision=bf16) MFU_OVR=() BENCH_ARGS=(--dtype bfloat16) TEST_DEVICE=$DEVICE
+  TRAIN_STEPS=100 TRAIN_OVR=(device=cuda precision=bf16) MFU_OVR=() MFU_REPORT_ARGS=() BENCH_ARGS=(--dtype bfloat16)
+  TEST_DEVICE=$DEVICE
   LIMIT_SCALE=1 MIN_DROP=0.1
 fi
 
@@ -91,7 +94,8 @@ write_summary() {  # summary.txt + results.tar.gz in $OUTDIR, after every step
     true
   } > "$OUTDIR/summary.txt.tmp" && mv "$OUTDIR/summary.txt.tmp" "$OUTDIR/summary.txt"
   local files=()
-  for f in "$BENCH_OUT" "$WORK" "$RUN_DIR/metrics.jsonl" runs/gpu_mfu/metrics.jsonl runs/gpu_mfu/mfu_report.txt; do
+  for f in "$BENCH_OUT" "$WORK" "$RUN_DIR/metrics.jsonl" runs/gpu_mfu/metrics.jsonl runs/gpu_mfu/mfu_report.txt \
+           runs/gpu_mfu/profile.json; do
     [ -e "$f" ] && files+=("$f")
   done
   [ ${#files[@]} -gt 0 ] && tar -czf "$OUTDIR/results.tar.gz.tmp" "${files[@]}" 2>/dev/null \
@@ -174,11 +178,11 @@ fi
 
 # --- MFU of a ~1B-parameter ConceptMoE at 8K packed tokens -------------------------------------
 if wants mfu; then
-  PORT='<free port>'; [ "$DRY" != 1 ] && PORT=$(free_port) && rm -f runs/gpu_mfu/metrics.jsonl
+  PORT='<free port>'; [ "$DRY" != 1 ] && PORT=$(free_port) && rm -f runs/gpu_mfu/metrics.jsonl runs/gpu_mfu/profile.json runs/gpu_mfu/mfu_report.txt
   step mfu-docs 20 "$PY" scripts/gpu_mfu.py docs
   step mfu-1b 120 "$DS" "${GPUS[@]}" --master_port "$PORT" --module vlm.train --config configs/train/gpu_mfu.yaml \
     "${MFU_OVR[@]}"
-  step mfu-report 20 "$PY" scripts/gpu_mfu.py report
+  step mfu-report 20 "$PY" scripts/gpu_mfu.py report "${MFU_REPORT_ARGS[@]}"
 fi
 
 # --- the GPU benchmarks at quick sizes ---------------------------------------------------------

@@ -152,6 +152,9 @@ class LogSection(Section):
     jsonl: bool | None = None  # the same for jsonl
     peak_flops: Num(gt=0) | None = None  # per device; None = GPU spec sheet / measured CPU matmul (training/peak.py)
     visualize_every: NonNegInt = 0  # boundary picture via vlm.visualize every N steps (0 = never)
+    # [first, last]: torch.profiler over those optimizer steps -> <run>/profile.json (GPU idle fraction,
+    # top kernels; callbacks/profile_window.py); null = no profiling
+    profile_steps: Annotated[list[PosInt], Field(min_length=2, max_length=2)] | None = None
 
     @property
     def sinks(self) -> list[str]:
@@ -235,6 +238,8 @@ class TrainConfig(Section):
         t = self.train
         check(t.stop_at_step is None or t.stop_at_step <= t.max_steps, "train.stop_at_step",
               f"must lie in [1, train.max_steps={t.max_steps}], got {t.stop_at_step}")
+        ps = self.log.profile_steps
+        check(ps is None or ps[0] <= ps[1], "log.profile_steps", f"must be [first, last] with first <= last, got {ps}")
         check(not (self.model.kind == "lm" and t.stage == "align"), "train.stage",
               "'align' trains the projector and needs model.kind: vlm")
         m = self.model

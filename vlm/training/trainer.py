@@ -244,7 +244,8 @@ class Trainer:
 
     # --- training -------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train from ``step`` to ``stop_step`` (``train_step``, then every callback's ``on_step_end``);
+        """Train from ``step`` to ``stop_step`` (every callback's ``on_step_start``, ``train_step``, then every
+        callback's ``on_step_end``);
         returns step, skipped steps and the last record. Data running out ends the loop early."""
         self.engine.train()
         data_iter = iter(self.loader)
@@ -252,6 +253,7 @@ class Trainer:
         try:
             self._call("on_fit_start")
             while self.step < self.stop_step:
+                self._call("on_step_start")
                 try:
                     step = self.train_step(data_iter)
                 except DataExhausted as err:

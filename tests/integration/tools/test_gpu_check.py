@@ -23,7 +23,7 @@ def test_mfu_preset_is_about_1b_parameters_at_8k_packed():
     from vlm.training.build import build_model_config
 
     cfg = load_train_config(REPO_ROOT / "configs" / "train" / "gpu_mfu.yaml")
-    assert cfg.data.max_length == 8192 and cfg.precision == "bf16" and cfg.train.micro_batch_size == 1
+    assert cfg.data.max_length == 8192 and cfg.precision == "bf16" and cfg.train.micro_batch_size == 20
     text = build_model_config(cfg)
     total = count_params(text)["total"]
     assert 0.9e9 <= total <= 1.1e9, total

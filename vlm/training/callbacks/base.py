@@ -26,6 +26,9 @@ class Callback:
     def on_fit_start(self, trainer: Trainer) -> None:
         """``fit`` starts (at ``trainer.step``: 0, or the resumed step)."""
 
+    def on_step_start(self, trainer: Trainer) -> None:
+        """Before optimizer step ``trainer.step + 1`` reads its first micro-batch."""
+
     def on_micro_batch(self, trainer: Trainer, out: Any, batch: dict) -> None:
         """After the forward of one micro-batch, before its backward; ``out.loss`` may be replaced."""
 
