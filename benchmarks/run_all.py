@@ -22,7 +22,7 @@ from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
 BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel",
-              "vs_transformers")
+              "overhead", "vs_transformers")
 
 
 def main(argv=None) -> int:
