@@ -135,7 +135,8 @@ def _merge(base: dict, over: dict) -> dict:
 
 def build_ds_config(cfg, world_size: int, bf16: bool) -> dict:
     """configs/deepspeed/<preset>.json + deepspeed_overrides, with the batch, clipping and precision
-    fields filled from the training YAML (the single source of truth for them)."""
+    fields filled from the training YAML (the single source of truth for them); ``overlap_comm`` off on
+    one rank (nothing to overlap; DeepSpeed would synchronize the device after every backward)."""
     with open(cfg.deepspeed_json(), encoding="utf-8") as f:
         ds = json.load(f)
     ds = _merge(ds, cfg.deepspeed_overrides or {})
@@ -152,6 +153,12 @@ def build_ds_config(cfg, world_size: int, bf16: bool) -> dict:
     ds["fp16"] = {"enabled": False}
     for key in ("optimizer", "scheduler"):  # we pass a torch AdamW and a LambdaLR ourselves
         ds.pop(key, None)
+    zo = ds.get("zero_optimization")
+    user_zo = (cfg.deepspeed_overrides or {}).get("zero_optimization") or {}
+    if world_size == 1 and isinstance(zo, dict) and zo.get("overlap_comm") and "overlap_comm" not in user_zo:
+        # one rank: no gradient reduction to overlap, and with it on ZeRO-2 synchronizes the device at the
+        # end of every backward (an explicit deepspeed_overrides value is kept)
+        zo["overlap_comm"] = False
     ds.setdefault("steps_per_print", 10 ** 9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds

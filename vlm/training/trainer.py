@@ -98,7 +98,7 @@ class Trainer:
                                          self.rank, self.log_line, cfg.parallel.expert_parallel_size)
         if self.zero_stage == 0:
             self.log_line("[train] warning: ZeRO stage 0 in fp32 does not skip non-finite steps; use zero1/2/3")
-        optimizer = optim.build_optimizer(model, cfg)
+        optimizer = optim.build_optimizer(model, cfg, self.device)
         self.group_names = [g["name"] for g in optimizer.param_groups]
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=optim.scheduler_factory(cfg), config=self.ds_config)

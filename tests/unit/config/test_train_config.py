@@ -88,3 +88,21 @@ def test_deepspeed_json_filled_from_yaml():
                             ["deepspeed=zero3", "deepspeed_overrides.zero_optimization.stage3_param_persistence_threshold=0"])
     ds = build_ds_config(cfg, world_size=1, bf16=True)
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0 and ds["bf16"]["enabled"] is True
+
+
+def test_overlap_comm_is_off_on_one_rank_unless_asked_for():
+    """With one rank ZeRO has no gradient reduction to overlap, and overlap_comm would synchronize the device
+    after every backward: off at world size 1, kept on several ranks and when deepspeed_overrides sets it."""
+    for zero in ("zero2", "zero3"):
+        cfg = load_train_config(TRAIN / "default.yaml", [f"deepspeed={zero}"])
+        assert build_ds_config(cfg, world_size=1, bf16=True)["zero_optimization"]["overlap_comm"] is False
+        assert build_ds_config(cfg, world_size=2, bf16=True)["zero_optimization"]["overlap_comm"] is True
+        cfg = load_train_config(TRAIN / "default.yaml", [f"deepspeed={zero}",
+                                                         "deepspeed_overrides.zero_optimization.overlap_comm=true"])
+        assert build_ds_config(cfg, world_size=1, bf16=True)["zero_optimization"]["overlap_comm"] is True
+
+
+def test_adamw_is_fused_on_cuda():
+    from vlm.training.optim import adamw_impl
+
+    assert adamw_impl("cuda") == {"fused": True} and adamw_impl("cpu") == {"foreach": False}
