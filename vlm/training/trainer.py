@@ -32,6 +32,7 @@ from vlm.training.distributed import (
 from vlm.flops.training import Trains
 from vlm.training.build import build_processor, setup_model, text_config_of
 from vlm.training.metrics import MetricsLogger, MfuMeter
+from vlm.training.overflow import use_norm_overflow_check
 from vlm.training.peak import resolve_peak
 from vlm.training.prepare import prepare_model
 from vlm.training.state import Progress, RunContext
@@ -104,6 +105,7 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=optim.scheduler_factory(cfg), config=self.ds_config)
         if self.zero_stage == 3:
             register_zero3_external(self.engine.module)
+        self.norm_overflow_check = use_norm_overflow_check(self.engine.optimizer)
         self.ctx = RunContext(cfg=cfg, run_dir=self.run_dir, is_main=self.is_main, zero_stage=self.zero_stage,
                               device=self.device, model_device=self.engine.device, module=self.engine.module,
                               model_config=self.model_config, processor=self.processor, tokenizer=self.tokenizer,
