@@ -10,6 +10,7 @@ from collections import Counter
 import torch
 
 from vlm.modeling.chat_common import IGNORE_INDEX, Skip
+from vlm.modeling.varlen import DocLayout
 
 
 def truncate_sample(sample: dict, max_length: int, image_start_id, image_end_id):
@@ -166,4 +167,11 @@ class PackingCollator(PadCollator):
                 pad = torch.full((batch[key].shape[0], extra), value, dtype=torch.long)
                 batch[key] = torch.cat([batch[key], pad] if self.padding_side == "right"
                                        else [pad, batch[key]], dim=1)
+        # the token stack's document layout, here on the host where the rows are: the model moves it to
+        # the device instead of reading the device to build it (vlm/modeling/varlen.py)
+        batch["doc_layout"] = None
+        if rows:
+            layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
+            layout.pieces  # the CPU loop kernel's document runs, also read here once
+            batch["doc_layout"] = layout
         return batch

@@ -129,15 +129,22 @@ def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, 
 
 
 def attention_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
-                   device: torch.device):
+                   device: torch.device, layout: DocLayout | None = None):
     """What every layer of a stack gets as ``mask``: None (plain causal: no padding, no packing), a
-    `DocLayout` (default) or, with ``IMPL = "dense"``, the reference mask of `causal_mask`."""
+    `DocLayout` (default) or, with ``IMPL = "dense"``, the reference mask of `causal_mask`. ``layout``:
+    the same DocLayout built on the host from these ``valid_BT`` / ``segment_BT`` (the collator's
+    ``doc_layout``), moved to ``device`` instead of built there (no device read)."""
     if valid_BT is None and segment_BT is None:
         return None
     if IMPL == "dense":
         return causal_mask(valid_BT, segment_BT, T, device)
     if IMPL != "varlen":
         raise ValueError(f"attention IMPL={IMPL!r}: use 'varlen' or 'dense'")
+    if layout is not None:
+        B = (valid_BT if valid_BT is not None else segment_BT).shape[0]
+        if (layout.B, layout.T) != (B, T):
+            raise ValueError(f"doc_layout is for {layout.B} x {layout.T} positions, the batch has {B} x {T}")
+        return layout.to(device, non_blocking=True)
     return DocLayout.build(valid_BT, segment_BT)
 
 

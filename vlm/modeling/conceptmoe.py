@@ -126,7 +126,9 @@ class ConceptMoEModel(nn.Module):
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
-                segment_ids=None, modality_ids=None, state=None) -> BackboneOutput:
+                segment_ids=None, modality_ids=None, state=None, doc_layout=None) -> BackboneOutput:
+        """``doc_layout``: the token stack's `DocLayout` of these ``attention_mask`` / ``segment_ids``, built
+        on the host (``data_pipelines.collate``: packed batches carry it); None builds it here."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         valid_BT = attention_mask.bool() if attention_mask is not None else \
@@ -135,7 +137,7 @@ class ConceptMoEModel(nn.Module):
             position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
         # one mask per stack, shared by its layers: a DocLayout (per document, no T x T) or None
         mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
-        mask = attention.attention_mask(mvalid, segment_ids, T, x.device)
+        mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (valid_BT, torch.full((B,), T, dtype=torch.long, device=x.device))
         stats: list = []

@@ -240,12 +240,14 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, segment_ids=None, modality_ids=None, cache: ConceptCache | None = None,
-                logits_to_keep: int = 0, return_logits: bool | None = None, **kwargs) -> ConceptMoEOutput:
+                logits_to_keep: int = 0, return_logits: bool | None = None, doc_layout=None,
+                **kwargs) -> ConceptMoEOutput:
         """Full forward; with ``cache`` (generation) the prefill on a fresh cache, then one token per row.
         ``logits_to_keep=n`` computes the logits of the last n positions only (0: all).
         ``return_logits=False`` with labels (training, loss only): ``logits`` is None and the loss is
         ``chunked_lm_loss`` (no [B, T, V] logits); None takes ``self.logits_with_loss`` (True unless a
-        trainer set it with ``loss_only``); otherwise logits + ``lm_loss_fn`` on them."""
+        trainer set it with ``loss_only``); otherwise logits + ``lm_loss_fn`` on them. ``doc_layout``: the
+        packed rows' document layout built on the host (a packed batch's ``doc_layout``)."""
         if return_logits is None:
             return_logits = labels is None or self.logits_with_loss
         if not return_logits and labels is None:
@@ -263,7 +265,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             p = next(self.parameters())
             state = cache.state = DecodeState.allocate(self.model, ref.shape[0], cache.capacity, p.device, p.dtype)
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                         position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids, state=state)
+                         position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids, state=state,
+                         doc_layout=doc_layout)
         if return_logits:
             logits = self.lm_head(out.hidden_BTD[:, -logits_to_keep:] if logits_to_keep else out.hidden_BTD)
             lm = lm_loss_fn(logits, labels) if labels is not None else None

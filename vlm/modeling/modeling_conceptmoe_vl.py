@@ -64,10 +64,11 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, Generatio
         return embeds, image_pos_BT.long()
 
     def forward(self, input_ids=None, pixel_values=None, attention_mask=None, position_ids=None,
-                labels=None, segment_ids=None, **kwargs) -> ConceptMoEOutput:
+                labels=None, segment_ids=None, doc_layout=None, **kwargs) -> ConceptMoEOutput:
         embeds, modality_BT = self.embed(input_ids, pixel_values)
         return self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                                   labels=labels, segment_ids=segment_ids, modality_ids=modality_BT)
+                                   labels=labels, segment_ids=segment_ids, modality_ids=modality_BT,
+                                   doc_layout=doc_layout)
 
     @torch.no_grad()
     def generate(self, input_ids=None, pixel_values=None, attention_mask=None, **kwargs):

@@ -61,6 +61,26 @@ class DocLayout:
     def num_docs(self) -> int:
         return self.cu_seq.numel() - 1
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> DocLayout:
+        """This layout with its tensors on ``device``: a layout built on the host (by the collator, from
+        the batch it assembled) reaches the GPU as copies, pinned for ``non_blocking``, with no device read.
+        Host-side fields (``max_len``, the loop kernel's ``pieces``) travel as computed."""
+        device = torch.device(device)
+        if self.cu_seq.device == device:
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if non_blocking and device.type == "cuda" and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=non_blocking)
+        out = DocLayout(self.B, self.T, move(self.perm_N), move(self.inv_N), move(self.cu_seq), self.max_len,
+                        [(n, L, move(flat)) for n, L, flat in self.buckets], move(self.src_N))
+        if "pieces" in self.__dict__ or self.cu_seq.device.type == "cpu":
+            out.__dict__["pieces"] = self.pieces  # computed on the host, where cu_seq is
+        return out
+
     @cached_property
     def pieces(self) -> list[tuple[int, int, bool]]:
         """(start, length, is a run of length-1 documents) in document order, for the loop kernel."""

@@ -202,6 +202,8 @@ class Trainer:
         dev = self.ctx.model_device
         inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids", "labels",
                                                    "segment_ids") if batch.get(k) is not None}
+        if batch.get("doc_layout") is not None:  # built by the collator on the host (moved in the model)
+            inputs["doc_layout"] = batch["doc_layout"]
         if self.cfg.model.kind == "vlm":
             pix = batch.get("pixel_values")
             if pix is not None:

@@ -214,7 +214,7 @@ def test_full_model_matches_dense(tiny_model, make_decisive, merge, kernel, monk
     labels = ids.masked_fill(am == 0, -100)
     seen = []
     real = attention.attention_mask
-    monkeypatch.setattr(attention, "attention_mask", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(attention, "attention_mask", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     results = []
     for impl in ("dense", "varlen"):
         monkeypatch.setattr(attention, "IMPL", impl)

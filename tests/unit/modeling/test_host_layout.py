@@ -1,0 +1,74 @@
+"""The token stack's document layout built on the host (the packing collator's ``doc_layout``): the model
+takes it instead of reading the device to build one, with the same outputs and gradients, and a layout for
+other rows is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm.modeling import syncs
+from vlm.modeling.varlen import LAYOUT_SYNC, DocLayout
+
+from conftest import build_model
+
+
+def _packed(B=2, T=24, vocab=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (B, T), generator=g)
+    seg = torch.zeros(B, T, dtype=torch.long)
+    seg[0, :10], seg[0, 10:17], seg[0, 17:] = 1, 2, 3
+    seg[1, :20] = 1  # then 4 padding positions
+    mask = (seg > 0).long()
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for s in seg[b].unique():
+            if s > 0:
+                idx = (seg[b] == s).nonzero().flatten()
+                pos[b, idx] = torch.arange(idx.numel())
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "segment_ids": seg, "labels": labels}
+
+
+@pytest.mark.parametrize("chunking", [True, False])
+def test_host_layout_gives_the_same_loss_and_gradients_without_the_token_layout_read(chunking):
+    torch.manual_seed(0)
+    model = build_model(chunking=chunking)
+    batch = _packed()
+    layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
+    layout.pieces  # as the collator does
+    runs = []
+    for extra in ({}, {"doc_layout": layout}):
+        model.zero_grad()
+        with syncs.counting() as named:
+            out = model(**batch, **extra)
+        out.loss.backward()
+        runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     named[LAYOUT_SYNC]))
+    (loss_a, grads_a, reads_a), (loss_b, grads_b, reads_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    # the token stack's layout is no longer built (or read) in the forward; the concept stack's still is
+    assert reads_b == reads_a - 2, (reads_a, reads_b)  # its build and its document runs
+
+
+def test_a_layout_for_other_rows_is_refused():
+    model = build_model(chunking=False)
+    batch = _packed()
+    other = DocLayout.build(batch["attention_mask"][:1].bool(), batch["segment_ids"][:1])
+    with pytest.raises(ValueError, match="doc_layout is for 1 x 24 positions"):
+        model(**batch, doc_layout=other)
+
+
+def test_the_packing_collator_ships_the_layout_of_its_batch():
+    from data_pipelines.collate import PackingCollator
+
+    def sample(n, i):
+        ids = torch.arange(4, 4 + n)
+        return {"id": str(i), "input_ids": ids, "labels": ids.clone(), "pixel_values": None}
+    coll = PackingCollator(pad_id=0, max_length=16)
+    batch = coll([sample(n, i) for i, n in enumerate((5, 7, 9, 3))])
+    layout = batch["doc_layout"]
+    ref = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
+    assert (layout.B, layout.T, layout.max_len) == (ref.B, ref.T, ref.max_len)
+    assert torch.equal(layout.cu_seq, ref.cu_seq) and layout.pieces == ref.pieces
+    assert "pieces" in layout.__dict__  # computed in the collator, not in the training step
