@@ -69,6 +69,11 @@ PLANTS = [
   "generator=torch.Generator().manual_seed(self.seed), **extra)",
   "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
   "tests/unit/data_pipelines/test_data_mixture.py::test_iterating_leaves_the_global_rngs_alone"),
+ ("33-loader-2ranks", "data_pipelines/mixture.py",
+  "generator=torch.Generator().manual_seed(self.seed), **extra)",
+  "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
+  "tests/integration/training/test_resume_exact_two_ranks.py::"
+  "test_two_ranks_interrupted_and_resumed_equal_the_uninterrupted_steps"),
 ]
 
 
