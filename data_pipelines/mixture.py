@@ -277,12 +277,14 @@ class MixtureLoader:
                                    {name: dict(states) for name, states in self.stream_states.items()})
         extra = {}
         if self.num_workers > 0:
-            # a private generator: the workers' base seed is not drawn from the global torch RNG,
-            # whose state a checkpoint restores (a resumed run would otherwise shift it by one draw)
-            extra = {"worker_init_fn": _worker_init, "prefetch_factor": self.prefetch_factor or 2,
-                     "generator": torch.Generator().manual_seed(self.seed)}
+            extra = {"worker_init_fn": _worker_init, "prefetch_factor": self.prefetch_factor or 2}
+        # a private generator, with or without workers: every DataLoader iterator draws its base seed
+        # from it, else from the global torch RNG, whose state a checkpoint restores; a resumed run
+        # starts a new iterator after the restore and would shift that RNG (the chunker's boundary
+        # noise) by one draw against an uninterrupted run
         return DataLoader(self.dataset, batch_sampler=sampler, collate_fn=MarkedCollate(self.collator),
-                          num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
+                          num_workers=self.num_workers, pin_memory=self.pin_memory,
+                          generator=torch.Generator().manual_seed(self.seed), **extra)
 
     def __iter__(self):
         pending = Counter()  # skips of batches that ended up empty, reported with the next one

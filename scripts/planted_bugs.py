@@ -53,6 +53,27 @@ PLANTS = [
   'return cls(lm=trainable.get("lm", 0) > 0 and not lora,',
   'return cls(lm=True,',
   "tests/unit/flops/test_mfu.py::test_trains_of_the_llava_align_stage"),
+ ("33-rng", "vlm/training/trainer.py",
+  '        ckpt.set_rng_state(rank_state["rng"])',
+  '        # ckpt.set_rng_state(rank_state["rng"])',
+  "tests/unit/training/test_checkpoint.py::test_resume_restores_the_rng_states"),
+ ("33-rng-default", "vlm/training/trainer.py",
+  '        ckpt.set_rng_state(rank_state["rng"])',
+  '        # ckpt.set_rng_state(rank_state["rng"])',
+  "tests/unit/training/test_resume_exact.py::test_interrupted_and_resumed_run_equals_the_uninterrupted_run"),
+ ("33-loader", "data_pipelines/mixture.py",
+  "generator=torch.Generator().manual_seed(self.seed), **extra)",
+  "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
+  "tests/unit/training/test_resume_exact.py::test_interrupted_and_resumed_run_equals_the_uninterrupted_run"),
+ ("33-loader-rng", "data_pipelines/mixture.py",
+  "generator=torch.Generator().manual_seed(self.seed), **extra)",
+  "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
+  "tests/unit/data_pipelines/test_data_mixture.py::test_iterating_leaves_the_global_rngs_alone"),
+ ("33-loader-2ranks", "data_pipelines/mixture.py",
+  "generator=torch.Generator().manual_seed(self.seed), **extra)",
+  "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
+  "tests/integration/training/test_resume_exact_two_ranks.py::"
+  "test_two_ranks_interrupted_and_resumed_equal_the_uninterrupted_steps"),
 ]
 
 

@@ -73,8 +73,10 @@ def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
     return {int(r["step"]): r.get(key) for r in records(run_dir)}
 
 
-def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False, faults=None):
-    """Train in this process (world size 1, gloo). Returns the Trainer."""
+def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False, faults=None,
+                  extra_callbacks=()):
+    """Train in this process (world size 1, gloo). Returns the Trainer. ``extra_callbacks`` run before
+    the default ones (as ``vlm.train.main``'s)."""
     import torch
 
     from vlm.config.train import load_train_config
@@ -84,11 +86,11 @@ def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool 
     threads = torch.get_num_threads()
     try:
         callbacks = None
-        if faults:  # the reliability entry point's seam (vlm/reliability/train.py)
+        if faults or extra_callbacks:  # the reliability entry point's seam (vlm/reliability/train.py)
             from vlm.reliability.faults import InjectFaults
             from vlm.training.callbacks.defaults import default_callbacks
 
-            callbacks = [InjectFaults(faults), *default_callbacks()]
+            callbacks = [*([InjectFaults(faults)] if faults else []), *extra_callbacks, *default_callbacks()]
         trainer = Trainer(cfg, resume=resume, callbacks=callbacks)
         try:
             trainer.fit()

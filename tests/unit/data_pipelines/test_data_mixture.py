@@ -115,3 +115,20 @@ def test_default_config_resume_on_default_data(tmp_path_factory):
     batch = reference[0]
     assert batch["input_ids"].shape[1] <= 128 and batch["pixel_values"].shape[1:] == (3, 8, 8)
     assert int((batch["input_ids"] == chat.image_id).sum()) == 4 * batch["pixel_values"].shape[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterating_leaves_the_global_rngs_alone(setup, num_workers):
+    """A checkpoint restores the global RNG states and the resumed run then starts a new loader
+    iterator: a draw from them there (a DataLoader's base seed without a generator of its own) would
+    shift the model's random numbers (the chunker's boundary noise) against an uninterrupted run."""
+    import random
+
+    import numpy as np
+
+    cfg, chat = setup
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    batches(cfg, chat, 3, num_workers=num_workers, seed=4)
+    assert torch.equal(torch.get_rng_state(), before[0]), "iterating the loader drew from the global torch RNG"
+    assert random.getstate() == before[1] and (np.random.get_state()[1] == before[2]).all()

@@ -1,5 +1,5 @@
 """Atomic checkpoints: the save protocol, the ``latest`` pointer, keep-last-K, discovery after crashes,
-RNG state round trip, and a real kill -9 during a save followed by ``--resume auto``."""
+RNG state round trip and its restore on resume, and a real kill -9 during a save followed by ``--resume auto``."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from _ckpt import FakeEngine
 from _ckpt import save as _save
 
 from vlm.training import checkpoint as ckpt
+from vlm.training.callbacks.base import Callback
 
 
 def test_save_rename_pointer_and_keep_last(tmp_path):
@@ -116,6 +117,35 @@ def test_rng_state_is_json_and_round_trips():
     ckpt.set_rng_state(state)
     b = (random.random(), np.random.rand(), torch.rand(3))
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+class _RngAtFitStart(Callback):
+    """Records the global RNG states when ``fit`` starts (after the trainer built everything and resumed)."""
+
+    def __init__(self):
+        self.state = None
+
+    def on_fit_start(self, trainer) -> None:
+        self.state = ckpt.rng_state()
+
+
+def test_resume_restores_the_rng_states(tmp_path):
+    """A resumed run starts ``fit`` with the RNG states (python, numpy, torch) its rank saved in the
+    checkpoint, and its first step equals the uninterrupted run's bit for bit: the chunker's boundary
+    noise draws from the global torch RNG, so a resume that does not restore it takes another step."""
+    raw = helpers.config(tmp_path, name="whole", train={"max_steps": 3}, checkpoint={"every_steps": 2})
+    helpers.run_inprocess(raw, tmp_path)
+    saved = tmp_path / "whole" / "ckpt" / "step_000002"
+    at_start = _RngAtFitStart()
+    resumed = helpers.run_inprocess({**raw, "name": "resumed"}, tmp_path, resume=str(saved),
+                                    extra_callbacks=[at_start])
+    assert resumed.resumed_from == str(saved)
+    rng = json.loads((saved / ckpt.rank_file(0)).read_text())["rng"]
+    for kind in ("python", "numpy", "torch"):
+        assert at_start.state[kind] == rng[kind], f"the {kind} RNG state is not the checkpoint's after resume"
+    whole, again = helpers.records(tmp_path / "whole")[2], helpers.records(tmp_path / "resumed")[0]
+    assert whole["step"] == again["step"] == 3
+    assert (again["loss"], again["grad_norm"]) == (whole["loss"], whole["grad_norm"])
 
 
 @pytest.mark.integration  # launches vlm.train
