@@ -38,19 +38,15 @@ def _decay_matrix(log_a_NQ: torch.Tensor) -> torch.Tensor:
 def scan_torch(a_BM: torch.Tensor, x_BMD: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """y_m = a_m y_{m-1} + x_m from y_{-1} = 0, in fp32, in a number of ops independent of M."""
     B, M, D = x_BMD.shape
-    a, x = a_BM.float(), x_BMD.float()
-    Q = min(M, max(block, math.ceil(M / MAX_CHUNKS)))
-    pad = (-M) % Q
-    if pad:  # identity steps (a = 1, x = 0) at the end
-        x = F.pad(x, (0, 0, 0, pad))
-        a = F.pad(a, (0, pad), value=1.0)
-    N = x.shape[1] // Q
-    log_a_BNQ = a.clamp(min=TINY).log().view(B, N, Q)
+    Q = max(block, math.ceil(M / MAX_CHUNKS))
+    pad = (-M) % Q  # identity steps (a = 1, x = 0) at the end; always padded: no branch on M for a compiler
+    x = F.pad(x_BMD.float(), (0, 0, 0, pad))
+    log_a_BNQ = F.pad(a_BM.float(), (0, pad), value=1.0).clamp(min=TINY).log().view(B, -1, Q)
+    N = log_a_BNQ.shape[1]
     y_BNQD = _decay_matrix(log_a_BNQ) @ x.view(B, N, Q, D)  # each chunk from a zero state
-    if N > 1:
-        end_BND = _decay_matrix(log_a_BNQ.sum(-1)) @ y_BNQD[:, :, -1]  # the true state at each chunk's end
-        start_BND = F.pad(end_BND[:, :-1], (0, 0, 1, 0))  # ... and entering each chunk
-        y_BNQD = y_BNQD + torch.exp(log_a_BNQ.cumsum(-1))[..., None] * start_BND[:, :, None]
+    end_BND = _decay_matrix(log_a_BNQ.sum(-1)) @ y_BNQD[:, :, -1]  # the true state at each chunk's end
+    start_BND = F.pad(end_BND[:, :-1], (0, 0, 1, 0))  # ... and entering each chunk
+    y_BNQD = y_BNQD + torch.exp(log_a_BNQ.cumsum(-1))[..., None] * start_BND[:, :, None]
     return y_BNQD.view(B, N * Q, D)[:, :M]
 
 
