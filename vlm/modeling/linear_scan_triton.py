@@ -24,8 +24,7 @@ except ImportError as e:  # pragma: no cover
 Q = 64  # concepts per chunk
 CB = 64  # chunks carried per step of kernel (2)
 
-
-TINY = 1.1754943508222875e-38  # log(0) -> about -87: exp underflows to exactly 0, no -inf
+TINY = tl.constexpr(1.1754943508222875e-38)  # log(0) -> about -87: exp underflows to exactly 0, no -inf
 
 
 @triton.jit
@@ -67,7 +66,7 @@ def _chunk_ends(a_ptr, x_ptr, end_ptr, dec_ptr, L, D, N,
                 Q: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
     """end[b, c] = chunk c's state from a zero start; dec[b, c] = its total log decay."""
     c, dt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    cum, Y, offs, mask, d = _chunk(a_ptr, x_ptr, b, c, dt, L, D, Q, BD, REVERSE)
+    cum, Y, _offs, _mask, d = _chunk(a_ptr, x_ptr, b, c, dt, L, D, Q, BD, REVERSE)
     tl.store(end_ptr + (b * N + c) * D + d, _last_row(Y, Q), mask=d < D)
     if dt == 0:
         tl.store(dec_ptr + b * N + c, tl.sum(tl.where(tl.arange(0, Q) == Q - 1, cum, 0.0), 0))
