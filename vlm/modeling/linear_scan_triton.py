@@ -9,7 +9,8 @@ adds its true start state times the decay from the chunk start and writes y. Dec
 from masked cumulative sums of log a (no difference of large sums, no division by a cumulative
 product): a = 0 (p = 1) resets exactly and an underflow only ever rounds a vanishing term to 0.
 ``reverse`` runs the backward recurrence y_m = a_{m+1} y_{m+1} + x_m without flipping anything.
-Tested against the torch path on CPU under ``TRITON_INTERPRET=1`` (tests/unit/modeling/test_dechunk.py).
+Tested on CPU under ``TRITON_INTERPRET=1`` against the loop, and compiled for sm_90 without a GPU
+(tests/unit/modeling/test_linear_scan.py).
 """
 from __future__ import annotations
 
