@@ -1,10 +1,12 @@
-"""Dechunk scaling: ``vlm.modeling.dechunk.dechunk`` (the blocked EMA scan) forward + backward vs concepts.
+"""Dechunk scaling: ``vlm.modeling.dechunk.dechunk`` (the EMA as one scan) forward + backward vs concepts.
 
 One call = the decoder-side dechunk of one row of M concepts (T = R x M tokens, a boundary every R
 tokens): EMA scan over the concepts, the causal read of each token, the STE-weighted residual;
 forward and backward (gradients to h, the concepts and the router probabilities). Every size is one
 variant of the SAME interleaved rounds, so the per-round ratio largest / smallest is robust to the
-machine's slow phases. Target: 16K / 1K concepts <= 20x (linear is 16x). Also the peak memory.
+machine's slow phases. Target: 16K / 1K concepts <= 20x (linear is 16x). Also the peak memory and the
+kernel-launching ATen ops of one call (benchmarks/op_count.py; a Triton kernel is not an ATen op): the
+same at every M and <= 100.
 
     python -m benchmarks.dechunk [--sizes 1K,2K,4K,8K,16K] [--hidden 128,512] [--smoke]
 """
@@ -14,6 +16,7 @@ import torch
 
 from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
+from benchmarks.op_count import KernelOps
 from benchmarks.report import (
     finish,
     fmt_bytes,
@@ -27,6 +30,13 @@ NAME = "dechunk"
 PRESETS = {"smoke": [64, 256], "cpu": [1024, 2048, 4096, 8192, 16384], "gpu": [1024, 2048, 4096, 8192, 16384]}
 REPS = {"smoke": 2, "cpu": 7, "gpu": 20}
 TARGET_16K_OVER_1K = 20.0
+TARGET_OPS = 100  # kernel-launching ATen ops of one forward + backward, at every M
+
+
+def count_ops(step) -> int:
+    with KernelOps() as ops:
+        step()
+    return ops.total
 
 
 def make_inputs(M: int, D: int, R: int, device, dtype, seed: int = 0) -> dict:
@@ -77,12 +87,13 @@ def run(argv=None) -> dict:
         log(f"D={D} R={args.ratio}: {s.warmup} warm-up + {s.reps} rounds over M={sizes}")
         comp = interleaved(variants, s.device, s.reps, s.warmup, log=log)
         mem = peak_memory_interleaved({M: variants[f"M={M}"] for M in sizes}, s.device, 3)
+        ops = {M: count_ops(variants[f"M={M}"]) for M in sizes}
         group = []
         for M in sizes:
             per_round = [t / t0 for t, t0 in zip(comp.times[f"M={M}"], comp.times[f"M={lo}"])]
             group.append({"concepts": M, "tokens": inputs[M]["T"], "hidden": D, "time_s": comp.stats(f"M={M}"),
                           "over_smallest": stats(per_round), "linear_over_smallest": M / lo,
-                          "peak_bytes": mem[M]["bytes"], "peak_method": mem[M]["method"],
+                          "peak_bytes": mem[M]["bytes"], "peak_method": mem[M]["method"], "aten_ops": ops[M],
                           "raw_times": comp.times[f"M={M}"]})
         results += group
         applies = (lo, sizes[-1]) == (1024, 16384)
@@ -90,6 +101,8 @@ def run(argv=None) -> dict:
              "ratio_q1": group[-1]["over_smallest"]["q1"], "ratio_q3": group[-1]["over_smallest"]["q3"],
              "sizes": [lo, sizes[-1]], "target": TARGET_16K_OVER_1K if applies else None}
         t["met"] = (t["ratio_largest_over_smallest"] <= TARGET_16K_OVER_1K) if applies else None
+        t["aten_ops"] = [ops[M] for M in sizes]
+        t["ops_met"] = len(set(t["aten_ops"])) == 1 and max(t["aten_ops"]) <= TARGET_OPS
         targets.append(t)
         log(f"D={D}: {sizes[-1]} / {lo}: {t['ratio_largest_over_smallest']:.2f}x")
         inputs = variants = None
@@ -97,17 +110,20 @@ def run(argv=None) -> dict:
 
     def report():
         rows = [[r["hidden"], f"{r['concepts']:,}", f"{r['tokens']:,}", fmt_median_iqr(r["time_s"]),
-                 fmt_ratio(r["over_smallest"]), f"{r['linear_over_smallest']:.0f}x", fmt_bytes(r["peak_bytes"])]
+                 fmt_ratio(r["over_smallest"]), f"{r['linear_over_smallest']:.0f}x", fmt_bytes(r["peak_bytes"]),
+                 f"{r['aten_ops']:,}"]
                 for r in results]
         table = md_table(["D", "concepts M", "tokens T", "fwd+bwd time [IQR]", f"time / M={lo} (per round) [IQR]",
-                          "linear would be", "peak memory"], rows)
+                          "linear would be", "peak memory", "ATen ops"], rows)
         verdicts = "".join(
             f"- D={t['hidden']}: {sizes[-1]:,} / {lo:,} concepts: **{t['ratio_largest_over_smallest']:.1f}x** "
             f"[{t['ratio_q1']:.1f}-{t['ratio_q3']:.1f}]"
             + (f" (target <= {TARGET_16K_OVER_1K:.0f}x: {'met' if t['met'] else 'NOT met'})\n" if t["target"]
-               else " (sizes are not 1K..16K: no target)\n") for t in targets)
+               else " (sizes are not 1K..16K: no target)\n")
+            + f"  ATen ops per call {' / '.join(f'{n:,}' for n in t['aten_ops'])} (the same at every M, "
+              f"<= {TARGET_OPS}: {'met' if t['ops_met'] else 'NOT met'})\n" for t in targets)
         md = (f"## Dechunk scaling: EMA scan forward + backward vs concepts\n\n{settings_line(s)}\n\n"
-              f"- `vlm.modeling.dechunk.dechunk` (ema_scan, merge=last), batch 1, a boundary every "
+              f"- `vlm.modeling.dechunk.dechunk` (ema_scan: linear_scan.py, merge=last), batch 1, a boundary every "
               f"{args.ratio} tokens; backward to h, concepts and router probabilities\n"
               f"- per width D, every size is a variant of the same interleaved rounds; 'time / M={lo}' is the "
               f"median of per-round ratios\n" + verdicts +

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-SCAN_BLOCK = 64  # vlm.modeling.dechunk.ema_scan's default block
+SCAN_BLOCK = 64  # vlm.modeling.linear_scan.BLOCK (the chunk of the dechunk EMA scan)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,8 @@ def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal
       the same per concept (i.e. / R per token), once per run (each loop slot has its own cache).
       With ``concept_merge="sum"`` the cache holds completed concepts only (one entry fewer per row).
     - The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the blocked EMA scan of
-      ``dechunk.ema_scan`` (a [Q, Q] x [Q, d] matmul per block of Q = min(64, M) concepts).
+      ``linear_scan.scan_torch`` (a [Q, Q] x [Q, d] matmul per chunk of Q = min(64, M) concepts; the
+      [N, N] carry across the N = M / 64 chunks is not counted).
 
     API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``; the matching
     solver is ``vlm.flops.matching``; CLI ``python -m vlm.flops --help``.

@@ -7,12 +7,14 @@
 for "sum" (chunking.py). ``c_hat`` is the concept model's update (output minus input), so the
 identity residual is not counted twice and R = 1 (``boundary_mode="all"``) equals the plain MoE.
 ``ema_step`` is the recurrence (the plain loop ``ema_reference`` and cached decoding use it);
-``ema_scan`` is the fast blocked scan of the same recurrence, equal within 1e-5 in fp32.
+``ema_scan`` is the same recurrence as one scan (linear_scan.py), equal within 1e-5 in fp32; a packed
+document restarts the EMA because its first concept has p = 1.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .linear_scan import BLOCK, linear_scan
 
 
 def ste(s: torch.Tensor) -> torch.Tensor:
@@ -35,42 +37,11 @@ def ema_reference(c_BMD: torch.Tensor, p_BM: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def _segsum(log_a_BNQ: torch.Tensor) -> torch.Tensor:
-    """S[..., i, j] = sum_{j < l <= i} log_a[l] for j <= i, -inf above the diagonal (stable)."""
-    Q = log_a_BNQ.shape[-1]
-    x = log_a_BNQ[..., :, None].expand(*log_a_BNQ.shape, Q)  # x[..., l, j] = log_a[l]
-    strict = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril(-1)
-    x = x.masked_fill(~strict, 0.0).cumsum(-2)
-    return x.masked_fill(~torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril(), float("-inf"))
-
-
-def ema_scan(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """Blocked parallel scan of y_m = (1 - p_m) y_{m-1} + p_m c_m."""
-    B, M, D = c_BMD.shape
+def ema_scan(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = BLOCK, impl: str = "auto") -> torch.Tensor:
+    """The EMA as one linear scan y_m = (1 - p_m) y_{m-1} + p_m c_m (linear_scan.py: a number of ops
+    independent of M; Triton on CUDA, the torch chunked scan elsewhere), in fp32, cast back."""
     p = p_BM.float()
-    x_BMD = p[..., None] * c_BMD.float()
-    Q = min(block, M)
-    pad = (-M) % Q
-    if pad:
-        x_BMD = F.pad(x_BMD, (0, 0, 0, pad))
-        p = F.pad(p, (0, pad), value=1.0)
-    nb = x_BMD.shape[1] // Q
-    # log(1 - p): the value is clamped away from log 0 (p = 1), the gradient is the unclamped one
-    # (a plain clamp would give d/dp = 0 at p = 1, unlike the loop).
-    a = 1.0 - p
-    a = a + (a.clamp(min=1e-12) - a).detach()
-    log_a = torch.log(a).view(B, nb, Q)
-    L_BNQQ = torch.exp(_segsum(log_a))
-    y = L_BNQQ @ x_BMD.view(B, nb, Q, D)  # within-block recurrence from a zero state
-    decay_BNQ = torch.exp(log_a.cumsum(-1))  # from each block's start to position i
-    # unbind, not y[:, k]: the backward of each y[:, k] would write a full-size zero gradient
-    # (quadratic in the number of blocks); unbind's backward stacks the block gradients once.
-    state, blocks = torch.zeros_like(y[:, 0, 0]), []
-    for y_BQD, decay_BQ in zip(y.unbind(1), decay_BNQ.unbind(1)):
-        y_k = y_BQD + decay_BQ[:, :, None] * state[:, None]
-        blocks.append(y_k)
-        state = y_k[:, -1]
-    return torch.cat(blocks, 1)[:, :M].to(c_BMD.dtype)
+    return linear_scan(1.0 - p, p[..., None] * c_BMD.float(), impl=impl, block=block).to(c_BMD.dtype)
 
 
 def read_index(index_BT: torch.Tensor, concept_segment_BM, segment_BT, merge: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,6 +214,8 @@ def test_dechunk_smoke(dechunk_data):
     for r in res:
         assert r["tokens"] == 2 * r["concepts"] and r["time_s"]["median"] > 0
     assert [t["target"] for t in dechunk_data["targets"]] == [None]  # smoke sizes: the 16K / 1K target does not apply
+    ops = [r["aten_ops"] for r in res]  # one scan whatever M: the same op count at 64 and 256 concepts
+    assert ops[0] == ops[1] <= dechunk.TARGET_OPS and dechunk_data["targets"][0]["ops_met"]
 
 
 @pytest.mark.integration  # starts ranks (expert_parallel_data)
