@@ -53,6 +53,14 @@ PLANTS = [
   'return cls(lm=trainable.get("lm", 0) > 0 and not lora,',
   'return cls(lm=True,',
   "tests/unit/flops/test_mfu.py::test_trains_of_the_llava_align_stage"),
+ ("35-kv", "vlm/modeling/attention.py",
+  "        s = self.size\n",
+  "        s = int(self.len_B.max())\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_generate_reads_at_most_one_per_token"),
+ ("35-kv-item", "vlm/modeling/attention.py",
+  "        if s >= self.capacity:\n",
+  "        if self.len_B.max().item() >= self.capacity:\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_plain_decode_step_is_one_graph"),
 ]
 
 
