@@ -124,12 +124,11 @@ def decode_step(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.
     x, cos_sin, chunk = token_phase(model, state, input_ids_B1)
     if chunk is not None:
         b_B, concept_BD, weight_B = chunk
-        commit, size = boundary_read(b_B, state.concept_caches)
+        commit, lens = boundary_read(b_B, state.concept_caches)
+        for cache in state.concept_caches:  # the host bound exact again (beam reordering loosens it)
+            cache.size = max(lens)
         if any(commit):
-            concept_phase(model, state, concept_BD, weight_B, b_B, size)
-        else:
-            for cache in state.concept_caches:
-                cache.size = size
+            concept_phase(model, state, concept_BD, weight_B, b_B, max(n + c for n, c in zip(lens, commit)))
     return decoder_phase(model, state, x, cos_sin)
 
 
@@ -172,17 +171,14 @@ def token_layers(x_B1D, cos_sin, layers, caches, concept_B1D=None):
     return x_B1D
 
 
-def boundary_read(b_B: torch.Tensor, concept_caches: list) -> tuple[list[bool], int]:
+def boundary_read(b_B: torch.Tensor, concept_caches: list) -> tuple[list[bool], list[int]]:
     """The decode step's one host read: the boundaries [B] and, in the same transfer, the concept
-    caches' lengths (all equal: they advance together), which make the caches' host bound exact
-    again. Returns the boundaries and the longest row after this step's commits."""
+    caches' lengths per row (all caches equal: they advance together; zeros without concept layers)."""
     B = b_B.shape[0]
     parts = [b_B.long()] + ([concept_caches[0].len_B] if concept_caches else [])
     with host_sync(BOUNDARY_SYNC):
         values = torch.cat(parts).tolist()
-    commit = [bool(v) for v in values[:B]]
-    lens = values[B:] or [0] * B
-    return commit, max(n + c for n, c in zip(lens, commit))
+    return [bool(v) for v in values[:B]], values[B:] or [0] * B
 
 
 def concept_phase(model: ConceptMoEModel, state: DecodeState, concept_BD, weight_B, commit_B, size: int) -> None:

@@ -138,8 +138,8 @@ def test_concept_decode_phases_are_one_graph_each():
     with torch.no_grad():
         x, cos_sin, (b_B, concept_BD, weight_B) = generation.token_phase(model, state, tok)
         b_B = torch.ones_like(b_B)  # every row completes a concept: the concept phase runs for all
-        _, size = generation.boundary_read(b_B, state.concept_caches)
-    exs["concept"] = _explain(generation.concept_phase, model, state, concept_BD, weight_B, b_B, size)
+        _, lens = generation.boundary_read(b_B, state.concept_caches)
+    exs["concept"] = _explain(generation.concept_phase, model, state, concept_BD, weight_B, b_B, max(lens) + 1)
     exs["decoder"] = _explain(generation.decoder_phase, model, state, x, cos_sin)
     for name, ex in exs.items():
         assert ex.graph_break_count == 0, (name, [str(r.reason)[:200] for r in ex.break_reasons])
