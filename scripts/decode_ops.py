@@ -23,9 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path.cwd()  # the repository whose code is measured (run from its root)
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit" / "modeling")]
 
-from test_host_syncs import HostReads  # noqa: E402
-from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig  # noqa: E402
-from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM  # noqa: E402
+from test_host_syncs import HostReads
+
+from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 16,
          "vocab_size": 512}
