@@ -37,20 +37,21 @@ def synthetic_fill(model, state, batch: int, N: int, seed: int = 0) -> None:
     g = torch.Generator(device="cpu").manual_seed(seed)
     p = next(model.parameters())
 
-    def fill(cache, n):
+    def fill(cache, n, ragged):  # (the host fields as KVCache.fill sets them: ragged = concept caches)
         for buf in (cache.k, cache.v):
             buf[:, :, :n].copy_(torch.randn(buf[:, :, :n].shape, generator=g).to(buf.dtype) * 0.5)
         cache.valid_BC[:, :n] = True
         cache.len_B.fill_(n)
+        cache.size, cache.ragged, cache.dense = n, ragged, not ragged
     for c in state.token_caches:
-        fill(c, N)
+        fill(c, N, False)
     state.next_pos_B = torch.full((batch,), N, dtype=torch.long, device=p.device)
     if cfg.chunking:
         if cfg.boundary_mode != "fixed":
             raise ValueError("synthetic fill models fixed boundaries (boundary_mode='fixed')")
         M = math.ceil(N / max(1, int(round(cfg.target_ratio))))
         for c in state.concept_caches:
-            fill(c, M)
+            fill(c, M, True)
         d = cfg.hidden_size
         state.prev_k_BD = torch.randn(batch, d, generator=g).to(p.device)  # query_key is fp32
         state.ema_BD = (torch.randn(batch, d, generator=g) * 0.02).to(p.device, p.dtype)

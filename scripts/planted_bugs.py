@@ -74,6 +74,14 @@ PLANTS = [
   "generator=torch.Generator().manual_seed(self.seed) if self.num_workers > 0 else None, **extra)",
   "tests/integration/training/test_resume_exact_two_ranks.py::"
   "test_two_ranks_interrupted_and_resumed_equal_the_uninterrupted_steps"),
+ ("35-kv", "vlm/modeling/attention.py",
+  "        s = self.size\n",
+  "        s = int(self.len_B.max())\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_generate_reads_at_most_one_per_token"),
+ ("35-kv-item", "vlm/modeling/attention.py",
+  "        if s >= self.capacity:\n",
+  "        if self.len_B.max().item() >= self.capacity:\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_plain_decode_step_is_one_graph"),
 ]
 
 

@@ -152,6 +152,13 @@ class KVCache:
     """Preallocated cache of one attention layer: k/v [B, H_kv, capacity, D], per-row lengths.
 
     ``valid_BC`` marks which slots hold real keys (left padding in token layers stays False).
+    ``len_B`` (device) is each row's next write slot; ``size`` (host) an upper bound of its maximum,
+    known without reading the device: every step writes at most one entry per row, so the bound is
+    the prefill's length plus the steps. A step attends slots [0, size + 1), with ``valid_BC``
+    masking the slots a shorter row has not written. Token caches advance every row together
+    (``ragged`` False): every row writes at the same host-known slot and ``size`` is exact. Concept
+    caches advance per row (``advance(commit_B)``): the bound grows by one per step unless the caller
+    knows the exact maximum (``advance(..., size=)``: the decode step's boundary read).
     """
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -160,38 +167,59 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.valid_BC = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.len_B = torch.zeros(batch, dtype=torch.long, device=device)
+        self.size = 0  # host: >= every row's len_B (exact when not ragged)
+        self.ragged = False  # host: rows may hold different lengths
+        self.dense = False  # host: every slot below ``size`` is valid (no left padding): no key mask
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def fill(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, valid_BT: torch.Tensor,
-             len_B: torch.Tensor) -> None:
-        """Prefill: slots [0, T) take the given keys; ``len_B`` is the next write slot per row."""
-        T = k_BHTD.shape[2]
+    def fill(self, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, valid_BT: torch.Tensor | None,
+             len_B: torch.Tensor | int) -> None:
+        """Prefill: slots [0, T) take the given keys. ``len_B``: the next write slot, an int when
+        every row continues at the same slot (token caches), else per row (at most T).
+        ``valid_BT`` None: every slot is real (no padding)."""
+        B, _, T, _ = k_BHTD.shape
         if T > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} < prefill length {T}")
         self.k[:, :, :T] = k_BHTD
         self.v[:, :, :T] = v_BHTD
-        self.valid_BC[:, :T] = valid_BT.bool()
-        self.len_B = len_B.clone()
+        self.ragged = torch.is_tensor(len_B)
+        self.dense = valid_BT is None and not self.ragged
+        self.valid_BC[:, :T] = True if valid_BT is None else valid_BT.bool()
+        if self.ragged:
+            self.len_B, self.size = len_B.clone(), T
+        else:
+            self.len_B, self.size = torch.full((B,), len_B, dtype=torch.long, device=self.k.device), int(len_B)
 
     def step(self, k_BH1D: torch.Tensor, v_BH1D: torch.Tensor):
-        """Write one new entry per row at ``len_B``; returns keys, values, key mask up to the max."""
-        if int(self.len_B.max()) >= self.capacity:
+        """Write one new entry per row at ``len_B``; returns keys, values and the key mask [B, S]
+        (None: all valid) over the S = size + 1 slots any row may hold. No device read."""
+        s = self.size
+        if s >= self.capacity:
             raise ValueError(f"KV cache full (capacity {self.capacity})")
-        rows = torch.arange(self.k.shape[0], device=self.k.device)
-        self.k[rows, :, self.len_B] = k_BH1D[:, :, 0]
-        self.v[rows, :, self.len_B] = v_BH1D[:, :, 0]
-        self.valid_BC[rows, self.len_B] = True
-        end = int(self.len_B.max()) + 1
-        return self.k[:, :, :end], self.v[:, :, :end], self.valid_BC[:, :end]
+        if self.ragged:
+            rows = torch.arange(self.k.shape[0], device=self.k.device)
+            self.k[rows, :, self.len_B] = k_BH1D[:, :, 0]
+            self.v[rows, :, self.len_B] = v_BH1D[:, :, 0]
+            self.valid_BC[rows, self.len_B] = True
+        else:  # every row at slot s
+            self.k[:, :, s] = k_BH1D[:, :, 0]
+            self.v[:, :, s] = v_BH1D[:, :, 0]
+            self.valid_BC[:, s] = True
+        valid = None if self.dense else self.valid_BC[:, :s + 1]
+        return self.k[:, :, :s + 1], self.v[:, :, :s + 1], valid
 
-    def advance(self, commit_B: torch.Tensor | None = None) -> None:
-        """Keep the entry written by the last ``step`` for rows in ``commit_B`` (all rows if None)."""
+    def advance(self, commit_B: torch.Tensor | None = None, size: int | None = None) -> None:
+        """Keep the entry written by the last ``step`` for rows in ``commit_B`` (all rows if None).
+        ``size``: the exact longest row after this advance, when the host knows it (else the bound
+        grows by one)."""
+        self.size = self.size + 1 if size is None else int(size)
         if commit_B is None:
             self.len_B += 1
             return
+        self.ragged, self.dense = True, False
         rows = torch.arange(self.k.shape[0], device=self.k.device)
         self.valid_BC[rows, self.len_B] = commit_B.bool()
         self.len_B += commit_B.long()
@@ -254,7 +282,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and fill is None:
             k_all, v_all, valid_BS = cache.step(k, v)
-            out_BTHD = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=valid_BS[:, None, None, :],
+            mask_B11S = None if valid_BS is None else valid_BS[:, None, None, :]
+            out_BTHD = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask_B11S,
                                                       enable_gqa=True).transpose(1, 2)
         else:
             if isinstance(mask, DocLayout):

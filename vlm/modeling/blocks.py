@@ -60,13 +60,14 @@ class TransformerBlock(nn.Module):
         if self.checkpoint_ffn and not self.gradient_checkpointing and self._recompute(cache):
             y, stats = self._checkpointed(self._ffn_half, x_BTD, valid_BT)
         else:
-            y, stats = self._ffn_half(x_BTD, valid_BT)
+            y, stats = self._ffn_half(x_BTD, valid_BT, cache is None)
         return x_BTD + y, stats
 
-    def _ffn_half(self, x_BTD, valid_BT):
+    def _ffn_half(self, x_BTD, valid_BT, stats: bool = True):
+        """``stats=False`` (generation, with a KV cache): no MoE losses or expert counts."""
         h = self.post_attn_norm(x_BTD)
         if self.is_moe:
-            return self.ffn(h, valid_BT)
+            return self.ffn(h, valid_BT, stats=stats)
         return self.ffn(h), None
 
     def _recompute(self, cache) -> bool:

@@ -27,7 +27,8 @@ def _select(value, index_B: torch.Tensor):
         return value.index_select(0, index_B.to(value.device))
     if isinstance(value, KVCache):
         for name, tensor in vars(value).items():
-            setattr(value, name, _select(tensor, index_B))
+            if torch.is_tensor(tensor):  # (the host fields hold for every row: bounds, flags)
+                setattr(value, name, _select(tensor, index_B))
         return value
     if isinstance(value, list):
         return [_select(v, index_B) for v in value]
@@ -53,7 +54,7 @@ def state_tensors(state: DecodeState) -> dict[str, torch.Tensor]:
             if torch.is_tensor(item):
                 out[key] = item
             elif isinstance(item, KVCache):
-                out.update({f"{key}.{n}": t for n, t in vars(item).items()})
+                out.update({f"{key}.{n}": t for n, t in vars(item).items() if torch.is_tensor(t)})
     return out
 
 
@@ -72,7 +73,7 @@ class ConceptCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Token positions held (prompt columns incl. left padding, then one per decoded token)."""
-        return int(self.state.token_caches[0].len_B.max()) if self.started else 0
+        return self.state.token_caches[0].size if self.started else 0  # (host: every row at the same slot)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.capacity

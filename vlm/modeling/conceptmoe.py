@@ -139,7 +139,7 @@ class ConceptMoEModel(nn.Module):
         mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
         mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
-        tok_fill = (valid_BT, torch.full((B,), T, dtype=torch.long, device=x.device))
+        tok_fill = (mvalid, T)  # token caches: every row continues at slot T; None: no padding
         stats: list = []
         caches = state.token_caches if state is not None else None
         if state is not None:
@@ -162,7 +162,8 @@ class ConceptMoEModel(nn.Module):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
         b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
-        out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
+        if state is None:  # (generation: no training losses)
+            out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
         con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
         c_in = self.to_concept(con.x_BMD)
         cval = padding(con.valid_BM, con.segment_BM)

@@ -3,7 +3,9 @@
 The prefill is the ordinary forward over the prompt with a ``DecodeState``. Each new token then
 runs the encoder layers, the chunk step (the same boundary rule, concept merge and EMA recurrence
 as the full forward, continued through the state's ``ChunkCarry``), the concept model only where a
-concept completes (one cache entry per concept), and the decoder layers. ``generate`` is
+concept completes (one cache entry per concept), and the decoder layers; a step reads the device once
+(ConceptMoE: the boundaries, which choose whether the concept model runs) or never (plain MoE), and
+cache positions and lengths come from the host (``KVCache.size``). ``generate`` is
 transformers' own loop (greedy, sampling, beam search, ...) over a ``ConceptCache`` (cache.py) that
 holds one ``DecodeState``; see hf.py.
 """
@@ -17,6 +19,7 @@ import torch
 from .attention import KVCache
 from .chunking import TEXT, ChunkCarry
 from .conceptmoe import ConceptMoEModel
+from .syncs import host_sync
 
 
 CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
@@ -50,8 +53,9 @@ def grown_capacity(capacity: int) -> int:
 class ConceptKVCache(KVCache):
     """A concept layer's ``KVCache``, allocated at ``concept_capacity`` and grown (reallocated larger,
     entries copied) when more concepts arrive than planned: to the prompt's concepts + headroom at the
-    prefill, by ``grown_capacity`` when a decoding step finds it full. The token caches keep their
-    fixed capacity."""
+    prefill, by ``grown_capacity`` before a decoding step that could find it full (``reserve``,
+    a host check of the host bound: the step itself reads nothing). The token caches keep their fixed
+    capacity."""
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` entries: the held ones copied, the new slots empty (invalid)."""
@@ -67,10 +71,11 @@ class ConceptKVCache(KVCache):
         self.grow(k_BHTD.shape[2] + CONCEPT_HEADROOM)
         super().fill(k_BHTD, v_BHTD, valid_BT, len_B)
 
-    def step(self, k_BH1D, v_BH1D):
-        if int(self.len_B.max()) >= self.capacity:  # (KVCache.step reads the same number)
+    def reserve(self) -> None:
+        """Between decoding steps (never inside one): room for the next entry of the longest row the
+        host bound ``size`` allows, by ``grown_capacity`` when that row would not fit."""
+        if self.size >= self.capacity:
             self.grow(grown_capacity(self.capacity))
-        return super().step(k_BH1D, v_BH1D)
 
 
 @dataclass
@@ -100,49 +105,92 @@ class DecodeState(ChunkCarry):
         return cls(tokens, concept)
 
 
+BOUNDARY_SYNC = ("decode: the boundary decision (whether any row runs the concept step) and the concept caches' "
+                 "exact lengths, one read per token")
+
+
 @torch.no_grad()
 def decode_step(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.Tensor) -> torch.Tensor:
-    """One token per row through the whole backbone; returns the normed hidden state [B, 1, D]."""
+    """One token per row through the whole backbone; returns the normed hidden state [B, 1, D].
+
+    Three phases, each free of device reads (and so of graph breaks): ``token_phase`` (embedding,
+    encoder layers, the chunker's boundary step), ``concept_phase`` (the concept layers, only when a
+    row completes a concept) and ``decoder_phase``. Between the first two, ConceptMoE reads the
+    boundaries on the host (``boundary_read``, the step's one host read): they choose whether the
+    concept phase runs. The plain MoE reads nothing. Concept caches grow before the step, never
+    inside it (``ConceptKVCache.reserve``)."""
+    for cache in state.concept_caches:
+        cache.reserve()
+    x, cos_sin, chunk = token_phase(model, state, input_ids_B1)
+    if chunk is not None:
+        b_B, concept_BD, weight_B = chunk
+        commit, lens = boundary_read(b_B, state.concept_caches)
+        for cache in state.concept_caches:  # the host bound exact again (beam reordering loosens it)
+            cache.size = max(lens)
+        if any(commit):
+            concept_phase(model, state, concept_BD, weight_B, b_B, max(n + c for n, c in zip(lens, commit)))
+    return decoder_phase(model, state, x, cos_sin)
+
+
+def token_phase(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.Tensor):
+    """Embedding and encoder layers (all layers of the plain MoE); with chunking, the boundary step
+    for the new (text) token. Returns the hidden state [B, 1, D], the RoPE tables and, with chunking,
+    (boundaries b_B, the concept that completes at them [B, D], its EMA weight [B]), else None."""
     cfg = model.cfg
     x = model.embed_tokens(input_ids_B1)
-    pos = state.next_pos_B[:, None]
-    cos_sin = model.rope(pos, cfg.hidden_size, x.dtype)
-    for layer, cache in zip(model.encoder, state.token_caches):
-        x, _ = layer(x, cos_sin, cache=cache)
-        cache.advance()
-    concept = None
-    if cfg.chunking:
-        x, concept = chunk_step(model, state, x, pos)
-    for layer, cache in zip(model.decoder, state.token_caches[model.n_enc:]):
-        x, _ = layer(x, cos_sin, cache=cache, concept_BTD=concept if layer.attn.joint else None)
-        cache.advance()
+    pos_B1 = state.next_pos_B[:, None]
+    cos_sin = model.rope(pos_B1, cfg.hidden_size, x.dtype)
+    x = token_layers(x, cos_sin, model.encoder, state.token_caches)
+    if not cfg.chunking:
+        return x, cos_sin, None
+    valid_B1 = torch.ones_like(pos_B1, dtype=torch.bool)
+    modality_B1 = None if state.prev_modality_B is None else torch.full_like(pos_B1, TEXT)
+    b_B1, p_B1 = model.chunker.boundaries(x, valid_B1, pos_B1, modality_BT=modality_B1, carry=state)
+    b_B = b_B1[:, 0]
+    concept_BD, weight_B = state.merge(cfg.concept_merge, x[:, 0], b_B, p_B1[:, 0])
+    return x, cos_sin, (b_B, concept_BD, weight_B)
+
+
+def decoder_phase(model: ConceptMoEModel, state: DecodeState, h_B1D, cos_sin) -> torch.Tensor:
+    """Dechunk (with chunking: z = h + the concept signal the token reads, also the joint layers'
+    input; the STE factor is exactly 1 in the forward), the decoder layers, the final norm."""
+    concept_B1D = None
+    if model.cfg.chunking:
+        concept_B1D = state.read()[:, None]
+        h_B1D = h_B1D + concept_B1D
+    x = token_layers(h_B1D, cos_sin, model.decoder, state.token_caches[model.n_enc:], concept_B1D)
     state.next_pos_B = state.next_pos_B + 1
     return model.norm(x)
 
 
-def chunk_step(model: ConceptMoEModel, state: DecodeState, h_B1D, pos_B1):
-    """Chunk -> concept model -> dechunk for one new (text) token per row. Returns the decoder input
-    z and the concept signal it reads, both [B, 1, D] (the STE factor is exactly 1 in the forward)."""
-    ch, merge = model.chunker, model.cfg.concept_merge
-    valid_B1 = torch.ones_like(pos_B1, dtype=torch.bool)
-    modality_B1 = None if state.prev_modality_B is None else torch.full_like(pos_B1, TEXT)
-    b_B1, p_B1 = ch.boundaries(h_B1D, valid_B1, pos_B1, modality_BT=modality_B1, carry=state)
-    b_B, h_BD = b_B1[:, 0], h_B1D[:, 0]
-    concept_BD, weight_B = state.merge(merge, h_BD, b_B, p_B1[:, 0])
-    if bool(b_B.any()):
-        state.update_ema(_concept_step(model, state, concept_BD, b_B), weight_B, b_B)
-    read_BD = state.read()
-    return h_B1D + read_BD[:, None], read_BD[:, None]
+def token_layers(x_B1D, cos_sin, layers, caches, concept_B1D=None):
+    """``layers`` (encoder or decoder) on one token per row, each writing its token cache; no device read."""
+    for layer, cache in zip(layers, caches):
+        x_B1D, _ = layer(x_B1D, cos_sin, cache=cache, concept_BTD=concept_B1D if layer.attn.joint else None)
+        cache.advance()
+    return x_B1D
 
 
-def _concept_step(model: ConceptMoEModel, state: DecodeState, concept_BD, commit_B) -> torch.Tensor:
-    """The concept model on one new concept per row; only rows in ``commit_B`` keep the cache entry.
-    Returns c_hat (the concept model's update, see dechunk.py) [B, D]."""
+def boundary_read(b_B: torch.Tensor, concept_caches: list) -> tuple[list[bool], list[int]]:
+    """The decode step's one host read: the boundaries [B] and, in the same transfer, the concept
+    caches' lengths per row (all caches equal: they advance together; zeros without concept layers)."""
+    B = b_B.shape[0]
+    parts = [b_B.long()] + ([concept_caches[0].len_B] if concept_caches else [])
+    with host_sync(BOUNDARY_SYNC):
+        values = torch.cat(parts).tolist()
+    return [bool(v) for v in values[:B]], values[B:] or [0] * B
+
+
+def concept_phase(model: ConceptMoEModel, state: DecodeState, concept_BD, weight_B, commit_B, size: int) -> None:
+    """The concept model on one new concept per row and the EMA update; only rows in ``commit_B``
+    keep the cache entry and update their EMA (``size``: the longest concept cache row after the
+    commits, known on the host)."""
     c_in = model.to_concept(concept_BD[:, None])
     ccos_sin = model.rope(state.concept_caches[0].len_B[:, None], c_in.shape[-1], c_in.dtype)
     c = c_in
     for slot, li in enumerate(model.schedule):
         cache = state.concept_caches[slot]
         c, _ = model.concept_model[li](c, ccos_sin, cache=cache)
-        cache.advance(commit_B)
-    return model.from_concept(c - c_in)[:, 0]
+        cache.advance(commit_B, size=size)
+    c_hat_BD = model.from_concept(c - c_in)[:, 0]  # the concept model's update (see dechunk.py)
+    state.update_ema(c_hat_BD, weight_B, commit_B)

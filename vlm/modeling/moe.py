@@ -162,15 +162,16 @@ class MoEFeedForward(nn.Module):
             out = out.index_add(0, tok, (h @ self.w_down[e]) * weights_NK[tok, slot, None].to(x_ND.dtype))
         return out, torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
 
-    def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
-        """Outputs [B, T, D] (zero at padding) and the stats; padding (``valid_BT`` False) never
-        reaches the experts, the stats or the losses. No host sync wherever torch has a grouped GEMM
-        for the device and dtype (CPU, CUDA bf16; see ``grouped_swiglu``)."""
+    def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
+        """Outputs [B, T, D] (zero at padding) and the stats (None with ``stats=False``: generation
+        computes no losses); padding (``valid_BT`` False) never reaches the experts, the stats or the
+        losses. No host sync wherever torch has a grouped GEMM for the device and dtype (CPU, CUDA
+        bf16; see ``grouped_swiglu``)."""
         if self.dispatch == "loop":
-            return self.forward_loop(x_BTD, valid_BT)
-        return self.forward_sorted(x_BTD, valid_BT)
+            return self.forward_loop(x_BTD, valid_BT, stats)
+        return self.forward_sorted(x_BTD, valid_BT, stats)
 
-    def forward_sorted(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
+    def forward_sorted(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
         """Route, ``experts_sorted``, shared expert, losses (the expert-parallel layer swaps in its
         own ``experts_sorted``)."""
         B, T, D = x_BTD.shape
@@ -181,9 +182,9 @@ class MoEFeedForward(nn.Module):
         y_ND = self._add_shared(x_ND, y_ND)
         if keep_N is not None:
             y_ND = torch.where(keep_N[:, None], y_ND, 0.0)
-        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N)
+        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N) if stats else None
 
-    def forward_loop(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None):
+    def forward_loop(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
         """Reference: the padding removed by boolean indexing, then ``experts_loop`` (tests only)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
@@ -195,7 +196,7 @@ class MoEFeedForward(nn.Module):
         y_ND = self._add_shared(x_ND, y_ND)
         if keep is not None:
             y_ND = x_BTD.new_zeros(B * T, D).index_put((keep.nonzero()[:, 0],), y_ND)
-        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E)
+        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E) if stats else None
 
     def _add_shared(self, x_ND, y_ND):
         if self.shared is None:
@@ -230,8 +231,9 @@ def sort_by_expert(experts_NK: torch.Tensor, num_experts: int, keep_N: torch.Ten
     if keep_N is not None:
         flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, num_experts)
     sorted_e, order = flat_e.sort(stable=True)
-    ends_E = torch.searchsorted(sorted_e, torch.arange(num_experts, device=flat_e.device), right=True)
-    return sorted_e, order, ends_E, torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    # bounds[e + 1] = assignments to experts <= e (bounds[0] = 0): segment ends and counts in 3 kernels
+    bounds = torch.searchsorted(sorted_e, torch.arange(-1, num_experts, device=flat_e.device), right=True)
+    return sorted_e, order, bounds[1:], bounds[1:] - bounds[:-1]
 
 
 def combine(y_SD: torch.Tensor, order_S: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:

@@ -300,6 +300,7 @@ def test_synthetic_fill_matches_real_prefill():
         decode.synthetic_fill(model, fake, B, N)
         for a, b in zip(real.token_caches + real.concept_caches, fake.token_caches + fake.concept_caches):
             assert torch.equal(a.len_B, b.len_B) and torch.equal(a.valid_BC, b.valid_BC)
+            assert (a.size, a.ragged, a.dense) == (b.size, b.ragged, b.dense)
             assert a.nbytes() == b.nbytes()
         assert torch.equal(real.next_pos_B, fake.next_pos_B)
         for field in ("prev_k_BD", "ema_BD", "has_ema_B"):

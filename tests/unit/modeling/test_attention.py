@@ -177,11 +177,12 @@ def test_kv_cache_commit_per_row():
     assert valid.tolist() == [[True, True], [True, True]]  # the step sees its own new entry
     cache.advance(t([True, False]))
     assert cache.len_B.tolist() == [2, 1] and cache.num_entries().tolist() == [2, 1]
+    assert cache.size == 2  # the host bound: one more per step
     k, v, valid = cache.step(full(3.0), full(3.0))
     assert k[1, 0, 1].tolist() == [3.0, 3.0]  # the discarded slot is overwritten
     assert valid.tolist() == [[True, True, True], [True, True, False]]
-    cache.advance(t([False, True]))
-    assert cache.num_entries().tolist() == [2, 2]
+    cache.advance(t([False, True]), size=2)  # the host knows the longest row (the decode step's read)
+    assert cache.num_entries().tolist() == [2, 2] and cache.size == 2
     assert cache.nbytes() == 4 * (1 * 2 * 4 * 2)
     cache.step(full(0.0), full(0.0))
     cache.advance()

@@ -369,6 +369,7 @@ def test_concept_cache_grows_in_small_steps():
     planned = cache.capacity
     n = math.ceil(tokens / 1.98)
     for i in range(n):
+        cache.reserve()  # between steps, as decode_step does
         cache.step(torch.full((1, 1, 1, 2), float(i)), torch.full((1, 1, 1, 2), -float(i)))
         cache.advance()
     assert n > planned and int(cache.num_entries()[0]) == n
