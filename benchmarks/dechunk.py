@@ -5,7 +5,7 @@ tokens): EMA scan over the concepts, the causal read of each token, the STE-weig
 forward and backward (gradients to h, the concepts and the router probabilities). Every size is one
 variant of the SAME interleaved rounds, so the per-round ratio largest / smallest is robust to the
 machine's slow phases. Target: 16K / 1K concepts <= 20x (linear is 16x). Also the peak memory and the
-kernel-launching ATen ops of one call (benchmarks/op_count.py; a Triton kernel is not an ATen op): the
+kernel-launching ATen ops of one call (benchmarks/op_counter.py; a Triton kernel is not an ATen op): the
 same at every M and <= 100.
 
     python -m benchmarks.dechunk [--sizes 1K,2K,4K,8K,16K] [--hidden 128,512] [--smoke]
@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import free_memory, interleaved, peak_memory_interleaved, stats
-from benchmarks.op_count import KernelOps
+from benchmarks.op_counter import OpCounter
 from benchmarks.report import (
     finish,
     fmt_bytes,
@@ -34,9 +34,9 @@ TARGET_OPS = 100  # kernel-launching ATen ops of one forward + backward, at ever
 
 
 def count_ops(step) -> int:
-    with KernelOps() as ops:
+    with OpCounter() as ops:
         step()
-    return ops.total
+    return ops.total()
 
 
 def make_inputs(M: int, D: int, R: int, device, dtype, seed: int = 0) -> dict:

@@ -26,7 +26,7 @@ from vlm.modeling import syncs
 READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
             "unique_consecutive", "is_nonzero", "equal", "allclose"}
 INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
-# ops that launch no kernel: allocations and metadata (views are recognised from their schema)
+# ops that launch no kernel: allocations and metadata (views are recognised by ``OpOverload.is_view``)
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
              "set_", "resize_", "_reshape_alias", "_unsafe_view", "view", "alias", "as_strided", "size", "stride",
              "is_same_size", "_has_compatible_shallow_copy_type", "record_stream", "_to_copy_meta"}
@@ -67,11 +67,9 @@ def _component() -> tuple[str, str]:
 
 
 def launches_kernel(func) -> bool:
-    name = func.overloadpacket.__name__
-    if name in NO_KERNEL:
-        return False
-    rets = func._schema.returns
-    return not (rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets))  # a view
+    """Not a view (``OpOverload.is_view``) nor an allocation / metadata op; a Triton kernel is not an ATen
+    op and is not seen here."""
+    return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL
 
 
 class OpCounter(TorchDispatchMode):
