@@ -20,7 +20,7 @@ The same command runs under every launcher (DeepSpeed is the engine in every mod
 
     python -m vlm.train --config C                                   # 1 process (CPU: gloo, fp32)
     torchrun --nproc_per_node 2 -m vlm.train --config C              # 2 processes, one machine
-    deepspeed --num_gpus 8 -m vlm.train --config C                   # GPUs (bf16, nccl)
+    deepspeed --num_gpus 8 --module vlm.train --config C             # GPUs (bf16, nccl)
     deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
 
 Overrides: train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3 (see
@@ -28,9 +28,10 @@ vlm/config/train.py). --resume auto continues from the newest complete checkpoin
 run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a checkpoint folder
 (.../step_000123) or a checkpoint dir.
 
-Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted on non-finite steps, 4 a collective failed (another
-rank died or stalled longer than dist_timeout_s), 5 a checkpoint could not be written (e.g. disk
-full; the previous one is intact).
+Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted
+on non-finite steps, 4 a collective failed (another rank died or stalled longer than dist_timeout_s),
+5 a checkpoint could not be written (e.g. disk full; the previous one is intact), 130 interrupted
+(Ctrl-C): one line per rank names the newest checkpoint; rerun with --resume auto.
 """
 
 
