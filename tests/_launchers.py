@@ -30,7 +30,8 @@ def _parsed(parse, argv: list[str]):
         with contextlib.redirect_stderr(err):
             return parse(argv)
     except SystemExit as exc:
-        raise LauncherError(f"exit {exc.code}: {err.getvalue().strip()[-400:]}") from None
+        said = err.getvalue().strip().splitlines() or [""]
+        raise LauncherError(f"exit {exc.code}: {said[-1]}") from None  # argparse's error line, not its usage
 
 
 def parse_launch(argv: list[str]) -> Launch:
