@@ -85,19 +85,23 @@ def _bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                               f"error: config error: data.datasets[0].path: file not found: {tmp / 'nope.txt'}"),
         "bad override": (["--config", str(lm), "train.lr=abc"],
                          "error: config error: train.lr: input should be a valid number, got 'abc'"),
+        "bad model override": (["--config", str(lm), "model.num_experts=0"],
+                               "error: config error: model.moe.num_experts: input should be greater than or equal "
+                               "to 1, got 0"),
     }
 
 
-@pytest.mark.parametrize("case", ["resume path missing", "every dataset empty", "data file missing", "bad override"])
+@pytest.mark.parametrize("case", ["resume path missing", "every dataset empty", "data file missing", "bad override",
+                                  "bad model override"])
 def test_bad_input_is_one_line_before_deepspeed_and_the_model(case, tmp_path, monkeypatch, capsys):
-    """Exit 2 with one line, decided before DeepSpeed, the trainer or the model are imported: with
+    """Exit 2 with one line, decided before DeepSpeed, the trainer or its callbacks are imported: with
     those modules made unimportable here, reaching them would be an ImportError, not the line
-    (issue 33: these errors came after the whole model was built)."""
+    (issue 33: these errors came after DeepSpeed and, for the resume and data ones, the whole model)."""
     from vlm.train import main
 
     argv, line = _bad_input_cases(tmp_path)[case]
     monkeypatch.chdir(REPO_ROOT)
-    for name in ("deepspeed", "vlm.training.trainer", "vlm.training.build"):
+    for name in ("deepspeed", "vlm.training.trainer", "vlm.training.callbacks.defaults"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` -> ImportError
     assert main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [line]
