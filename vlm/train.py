@@ -20,7 +20,7 @@ The same command runs under every launcher (DeepSpeed is the engine in every mod
 
     python -m vlm.train --config C                                   # 1 process (CPU: gloo, fp32)
     torchrun --nproc_per_node 2 -m vlm.train --config C              # 2 processes, one machine
-    deepspeed --num_gpus 8 -m vlm.train --config C                   # GPUs (bf16, nccl)
+    deepspeed --num_gpus 8 --module vlm.train --config C             # GPUs (bf16, nccl)
     deepspeed --hostfile hosts --num_nodes 2 --num_gpus 8 vlm/train.py --config C   # multi-node
 
 Overrides: train.lr=1e-3 data.max_length=256 model.num_experts=16 deepspeed=zero3 (see
@@ -28,9 +28,10 @@ vlm/config/train.py). --resume auto continues from the newest complete checkpoin
 run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a checkpoint folder
 (.../step_000123) or a checkpoint dir.
 
-Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted on non-finite steps, 4 a collective failed (another
-rank died or stalled longer than dist_timeout_s), 5 a checkpoint could not be written (e.g. disk
-full; the previous one is intact).
+Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted
+on non-finite steps, 4 a collective failed (another rank died or stalled longer than dist_timeout_s),
+5 a checkpoint could not be written (e.g. disk full; the previous one is intact), 130 interrupted
+(Ctrl-C): one line per rank names the newest checkpoint; rerun with --resume auto.
 """
 
 
@@ -59,63 +60,166 @@ def _quiet_imports() -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
 
 
+def preflight(args: argparse.Namespace):
+    """What is checked before the Trainer (DeepSpeed, the model, the process group): the config and its
+    overrides, the model config of a preset (with its tokenizer; a pretrained folder's is read by the
+    trainer), the data files (present, not all empty), the ``--resume`` path. Returns the config;
+    raises ``ConfigError`` / ``FileNotFoundError`` (one line each)."""
+    from vlm.config.train import load_train_config
+    from vlm.modeling.config_base import ConfigError
+    from vlm.training.build import build_model_config, load_tokenizer
+    from vlm.training.checkpoint import resolve_resume
+    from vlm.training.data import check_data_paths
+
+    cfg = load_train_config(args.config, args.overrides)
+    if args.no_eval:
+        cfg.eval.vqa_json = None
+    if os.environ.get(FAULT_ENV):
+        raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
+                          "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
+    if cfg.model.preset is not None and not cfg.model.llm:
+        build_model_config(cfg, load_tokenizer(cfg.model.tokenizer))
+    check_data_paths(cfg)
+    resolve_resume(args.resume, cfg.ckpt_dir)
+    return cfg
+
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+class Interrupts:
+    """Ctrl-C (or torchrun passing its SIGINT on) while ``main`` runs: the first raises KeyboardInterrupt,
+    which ``main`` turns into one line; one arriving once an error is being reported (``exiting``) is
+    only recorded, so that no traceback cuts into that line; a second one ends the process at once.
+    A context manager: the previous handler is back afterwards (``main`` also runs inside tests)."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.exiting = False
+        self._previous = None
+
+    def __enter__(self) -> Interrupts:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+            self._previous = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received.append(signum)
+        if len(self.received) > 1:
+            _exit_now(INTERRUPTED)
+        if not self.exiting:
+            raise KeyboardInterrupt
+
+    def report(self, cfg, trainer) -> int:
+        """One line (per rank) naming where the run stopped and what to run next."""
+        from vlm.training.checkpoint import find_checkpoint
+
+        self.exiting = True
+        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", 0))
+        world = trainer.world_size if trainer is not None else int(os.environ.get("WORLD_SIZE", 1))
+        where = f"at step {trainer.step}" if trainer is not None else "before the first step"
+        newest = find_checkpoint(cfg.ckpt_dir)
+        hint = (f"newest checkpoint {newest}: rerun with --resume auto" if newest is not None
+                else f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again")
+        print(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
 def main(argv=None, extra_callbacks=()) -> int:
     """The run; ``extra_callbacks`` run before the default ones (``python -m vlm.reliability.train``
-    passes its fault injection here)."""
+    passes its fault injection here). Returns the exit code (``INTERRUPTED`` after Ctrl-C)."""
     args = parse_args(argv)
     _quiet_imports()
     from vlm.modeling.config_base import ConfigError
     from vlm.modeling.safe_loading import NotJSONError
-    from vlm.training.checkpoint import (
-        CheckpointWriteError,
-        ResumeError,
-        find_checkpoint,
-    )
-    from vlm.config.train import load_train_config
 
     try:
-        cfg = load_train_config(args.config, args.overrides)
-        if args.no_eval:
-            cfg.eval.vqa_json = None
-        if os.environ.get(FAULT_ENV):
-            raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
-                              "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
-        from vlm.training.callbacks.defaults import default_callbacks
-        from vlm.training.trainer import NonFiniteAbort, Trainer
-
-        trainer = Trainer(cfg, resume=args.resume, callbacks=[*extra_callbacks, *default_callbacks()])
-    except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:
+        cfg = preflight(args)
+    except (ConfigError, FileNotFoundError, NotJSONError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    from data_pipelines.mixture import TooMuchBadData
-    from vlm.training.distributed import collective_failure
+    with Interrupts() as interrupts:
+        return _run(args, cfg, extra_callbacks, interrupts)
 
+
+def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
+    from vlm.modeling.config_base import ConfigError
+    from vlm.modeling.safe_loading import NotJSONError
+    from vlm.training.checkpoint import CheckpointWriteError, ResumeError, find_checkpoint
+
+    trainer = None
     try:
-        trainer.fit()
-        trainer.finish()
-        code = 0
-    except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        code = 2
-    except NonFiniteAbort as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        code = 3
-    except CheckpointWriteError as err:
-        if trainer.is_main:  # every rank holds the same message
+        try:
+            from vlm.training.callbacks.defaults import default_callbacks
+            from vlm.training.trainer import NonFiniteAbort, Trainer
+
+            trainer = Trainer(cfg, resume=args.resume, callbacks=[*extra_callbacks, *default_callbacks()])
+        except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:
+            interrupts.exiting = True
             print(f"error: {err}", file=sys.stderr, flush=True)
-        code = 5
-    except Exception as err:
-        why = collective_failure(err)
-        if why is None:
-            raise
-        print(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
-              f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
-              f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
-              file=sys.stderr, flush=True)
-        os._exit(4)  # the process group is broken: skip interpreter teardown, which could block on it
-    trainer.close()
-    trainer.engine.destroy()  # DeepSpeed's own teardown: hooks and pending ZeRO-3 work released
-    return code
+            return 2
+        from data_pipelines.mixture import TooMuchBadData
+        from vlm.training.distributed import collective_failure
+
+        try:
+            trainer.fit()
+            trainer.finish()
+            code = 0
+        except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
+            interrupts.exiting = True
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            code = 2
+        except NonFiniteAbort as err:
+            interrupts.exiting = True
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            code = 3
+        except CheckpointWriteError as err:
+            interrupts.exiting = True
+            if trainer.is_main:  # every rank holds the same message
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            code = 5
+        except Exception as err:
+            why = collective_failure(err)
+            if why is None:
+                raise
+            interrupts.exiting = True
+            if interrupts.received:  # Ctrl-C reached this rank too: the peer left because of it, not a fault
+                _exit_now(interrupts.report(cfg, trainer))
+            print(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
+                  f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
+                  f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
+                  file=sys.stderr, flush=True)
+            _exit_now(4)  # the process group is broken: skip interpreter teardown, which could block on it
+        trainer.close()
+        trainer.engine.destroy()  # DeepSpeed's own teardown: hooks and pending ZeRO-3 work released
+        return code
+    except KeyboardInterrupt:
+        return interrupts.report(cfg, trainer)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_process(code: int) -> None:
+    """The program's end (``__main__`` of vlm.train and vlm.reliability.train): after an interrupt
+    at once (the other ranks may be gone: a collective in teardown could block), else with the
+    process groups released first."""
+    if code == INTERRUPTED:
+        _exit_now(code)
+    _release_process_groups()
+    sys.exit(code)
 
 
 def _release_process_groups() -> None:
@@ -133,6 +237,4 @@ def _release_process_groups() -> None:
 
 
 if __name__ == "__main__":
-    _code = main()
-    _release_process_groups()
-    sys.exit(_code)
+    exit_process(main())

@@ -28,8 +28,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from vlm.train import _release_process_groups
+    from vlm.train import exit_process
 
-    _code = main()
-    _release_process_groups()
-    sys.exit(_code)
+    exit_process(main())

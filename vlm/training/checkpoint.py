@@ -178,13 +178,14 @@ def resolve_resume(resume: str | None, ckpt_dir: str | Path) -> Path | None:
     """``--resume`` value -> checkpoint folder (None = start fresh).
 
     ``auto``: the newest complete checkpoint in this run's ckpt dir, or None if there is none.
-    A path: a checkpoint folder (``.../step_000123``) or a ckpt dir (its newest checkpoint).
-    """
+    A path: a checkpoint folder (``.../step_000123``) or a ckpt dir (its newest checkpoint)."""
     if not resume:
         return None
     if resume == "auto":
         return find_checkpoint(ckpt_dir)
     path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"--resume {resume}: folder does not exist")
     if STEP_RE.match(path.name):
         if not is_complete(path):
             raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (missing {TRAINER_STATE} "

@@ -34,9 +34,11 @@ def data_config(cfg: TrainConfig) -> dict:
 def check_data_paths(cfg: TrainConfig) -> None:
     """Before anything is built: every file the run will read exists (``data.datasets[i].path`` /
     ``.image_root`` of a mixture, ``eval.vqa_json`` / ``eval.image_root`` of a VLM), else one
-    ``ConfigError`` naming the key and the path as the loader would open it."""
+    ``ConfigError`` naming the key and the path as the loader would open it; and some dataset with a
+    weight above 0 is not an empty file (the mixture's own check, made before the model is built)."""
     import os
 
+    drawn, empty, where = 0, [], ""  # mixture datasets that may give records; the empty files among them
     if cfg.data.kind == "mixture":
         data = data_config(cfg)
         root = data.get("root")
@@ -55,12 +57,40 @@ def check_data_paths(cfg: TrainConfig) -> None:
             image_root = entry.get("image_root")
             if entry.get("type") == "llava_json" and image_root and not os.path.isdir(resolve(str(image_root))):
                 raise ConfigError(f"config error: {key}.image_root{where}: folder not found: {resolve(str(image_root))}")
+            if _weight(entry) > 0:
+                drawn += 1
+                kind = entry.get("type")
+                if kind in ("llava_json", "text") and _is_empty_file(path, json_list=kind == "llava_json"):
+                    empty.append(f"{key}.path {path}")
     e = cfg.eval
     if cfg.model.kind == "vlm" and e.vqa_json:
         if not os.path.isfile(e.vqa_json):
             raise ConfigError(f"config error: eval.vqa_json: file not found: {e.vqa_json}")
         if e.image_root and not os.path.isdir(e.image_root):
             raise ConfigError(f"config error: eval.image_root: folder not found: {e.image_root}")
+    if drawn and len(empty) == drawn:  # every path is there, but no record
+        raise ConfigError(f"config error: data{where}: no records to draw from: every dataset with a weight "
+                          f"above 0 is an empty file ({', '.join(empty)})")
+
+
+def _weight(entry: dict) -> float:
+    try:
+        return float(entry.get("weight", 1.0))
+    except (TypeError, ValueError):
+        return 1.0  # not a number: the mixture's config check names it
+
+
+def _is_empty_file(path: str, json_list: bool, probe: int = 4096) -> bool:
+    """No record can be in it: nothing but whitespace, or (``json_list``) an empty JSON list; only a
+    small file is read."""
+    import os
+
+    size = os.path.getsize(path)
+    if size > probe:
+        return False
+    with open(path, "rb") as f:
+        text = f.read().strip()
+    return b"".join(text.split()) in ((b"", b"[]") if json_list else (b"",))
 
 
 def _missing_shard(path: str) -> str | None:

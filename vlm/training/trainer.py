@@ -78,6 +78,10 @@ class Trainer:
                 json.dump(cfg.to_dict(), f, indent=1)
         self.ds_config = build_ds_config(cfg, self.world_size, self.bf16)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        self.resume_path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
+        if self.resume_path is not None:  # said first: the init lines below are not the weights trained on
+            self.log_line(f"[train] resuming from {self.resume_path}: the model is built with the initial "
+                          "weights logged below, then every weight is replaced by the checkpoint's")
         # model (identical on every rank: same seed), then per-rank randomness
         seed_everything(cfg.seed)
         setup = setup_model(cfg, self.log_line)
@@ -93,7 +97,6 @@ class Trainer:
         import deepspeed
 
         # another world size: the checkpoint is converted once to DeepSpeed's universal format here (reshard.py)
-        self.resume_path = ckpt.resolve_resume(resume, cfg.ckpt_dir)
         ckpt.check_expert_layout(self.resume_path, model)
         self.universal = reshard.prepare(self.resume_path, self.world_size, self.zero_stage, self.ds_config,
                                          self.rank, self.log_line, cfg.parallel.expert_parallel_size)
@@ -125,6 +128,8 @@ class Trainer:
         elif self.is_main:
             self._set_aside_previous_run()
         barrier()
+        # (step, train time) this process started from: the summary tells its own time from the earlier runs'
+        self.resumed_at = (self.step, self.progress.train_time_s) if path is not None else None
         self.stop_step = cfg.train.stop_at_step or cfg.train.max_steps
         self.peak_flops, peak_source = resolve_peak(cfg.log.peak_flops, self.device,
                                                     torch.bfloat16 if self.bf16 else torch.float32)

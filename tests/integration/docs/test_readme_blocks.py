@@ -7,6 +7,7 @@
   makes (2 training steps, 4 eval questions, ``make -n`` expansion; nothing else).
 - A block preceded by ``<!-- not-run: REASON -->`` (GPUs, several nodes, data or models the user brings,
   minutes of CPU) still runs through bash with every launcher replaced by the shim's recorder: each
+  torchrun / deepspeed line must pass that launcher's own parser (tests/_launchers.py), each
   ``vlm.train`` line must parse and its config and overrides validate (``vlm.train.parse_args``,
   ``load_train_config``, the model config where no pretrained folder is named), each of this repo's
   other CLIs must accept its arguments, and bash must parse the block. ``yaml`` blocks marked so are
@@ -250,10 +251,26 @@ def _check_train(args: list[str]) -> str | None:
     return None
 
 
+LAUNCHER_PLACEHOLDERS = {"K": "0"}  # the node rank a multi-node block leaves to the reader (--node_rank K)
+
+
+def _check_launcher(record: dict) -> str | None:
+    """torchrun's / deepspeed's own parser accepts the line (a ``-m`` deepspeed does not know fails here)."""
+    from _launchers import LauncherError, parse_launch
+
+    try:
+        parse_launch([record["tool"], *(LAUNCHER_PLACEHOLDERS.get(a, a) for a in record["argv"])])
+    except LauncherError as err:
+        return f"{record['tool']} refuses it: {err}"
+    return None
+
+
 def _check_command(record: dict) -> tuple[str | None, str]:
     """(problem or None, what was checked) for one recorded launcher call."""
     if record["tool"] == "make":
         return None, "make (its recipe lines are recorded on their own)"
+    if record["tool"] in ("torchrun", "deepspeed") and (problem := _check_launcher(record)):
+        return problem, ""
     argv = record["argv"]
     found = python_target(argv)
     if found is None:

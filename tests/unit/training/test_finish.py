@@ -39,3 +39,42 @@ def test_export_logs_the_trained_vision_weights_and_a_fresh_run_sets_it_aside(tm
     prev = tmp_path / "run" / "hf.previous"
     assert f"[train] fresh start: moved the earlier run's Hugging Face export to {prev}" in out.splitlines(), out
     assert not hf.exists() and (prev / "model.safetensors").read_bytes() == first
+
+
+def test_summary_times_after_a_resume_name_this_process_and_all_steps():
+    """Issue 33: a resumed run printed `train time 310.9 s` (all steps, the earlier run's included) above
+    `wall time 206.2 s` (this process). The rows say which is which, and this process's train time
+    is the part of its wall time that trained."""
+    from vlm.training.callbacks.end_of_run import summary_table
+    from vlm.training.state import Progress
+
+    progress = Progress(step=1000, tokens_seen=10_000, train_time_s=310.9)
+    table = summary_table("r", progress, "1 FLOP/s", 206.2, None, resumed_at=(500, 160.4))
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()
+            if line.startswith("| ")}
+    assert rows["train time, this process (steps 501-1000)"] == "150.5 s"
+    assert rows["train time, steps 1-1000 (incl. before the resume)"] == "310.9 s"
+    assert rows["wall time, this process (startup, train, export, eval)"] == "206.2 s"
+    fresh = summary_table("r", progress, "1 FLOP/s", 400.0, None)
+    assert "| train time (steps 1-1000) " in fresh and "| wall time (startup, train, export, eval) " in fresh
+
+
+def test_a_resumed_run_says_so_before_the_init_lines(tmp_path, capsys):
+    """The resumed run logged `random init ... 44 tensors` before `resumed from`, which read as lost
+    weights: the resume is named first, with what happens to the init; the summary's own train time
+    (steps 3-3) is within this process's wall time."""
+    raw = helpers.config(tmp_path, name="res", train={"max_steps": 2}, checkpoint={"every_steps": 2})
+    helpers.run_inprocess(raw, tmp_path)
+    capsys.readouterr()
+    helpers.run_inprocess({**raw, "train": {**raw["train"], "max_steps": 3}}, tmp_path, resume="auto", finish=True)
+    lines = capsys.readouterr().out.splitlines()
+    ckpt = tmp_path / "res" / "ckpt" / "step_000002"
+    first = next(i for i, line in enumerate(lines) if line.startswith("[train] resuming from "))
+    init = next(i for i, line in enumerate(lines) if "random init" in line)
+    assert first < init, lines
+    assert lines[first] == (f"[train] resuming from {ckpt}: the model is built with the initial weights logged "
+                            "below, then every weight is replaced by the checkpoint's")
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2].split()[0]) for line in lines
+            if line.startswith("| ") and " time" in line}
+    own, wall = rows["train time, this process (steps 3-3)"], rows["wall time, this process (startup, train, export, eval)"]
+    assert 0 < own <= wall and own < rows["train time, steps 1-3 (incl. before the resume)"], rows

@@ -69,8 +69,9 @@ def evaluate(ctx: RunContext, hf_dir: Path | None) -> dict | None:
 
 
 def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
-                  eval_result: dict | None) -> str:
-    """The end-of-run table. ``peak_label``: the MFU's peak and its source (``Trainer.peak_label``)."""
+                  eval_result: dict | None, resumed_at: tuple[int, float] | None = None) -> str:
+    """The end-of-run table. ``peak_label``: the MFU's peak and its source (``Trainer.peak_label``);
+    ``wall_s``: this process's; ``resumed_at``: (step, train time) this process resumed from, if it did."""
     rec = progress.last_record
     bad = {k: int(v) for k, v in (rec.get("skipped_samples") or {}).items() if v}  # loader, all ranks
     rows = [("optimizer steps", f"{progress.step} ({progress.skipped_steps} skipped: non-finite)"),
@@ -98,8 +99,7 @@ def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
     rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
     if "mfu" in rec:
         rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak_label}"))
-    rows.append(("train time", f"{progress.train_time_s:.1f} s"))
-    rows.append(("wall time (incl. startup, export, eval)", f"{wall_s:.1f} s"))
+    rows += time_rows(progress, wall_s, resumed_at)
     width = max(len(r[0]) for r in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * 34 + "+"
     body = [line, f"| {'summary: ' + name:<{width}} | {'':<32} |", line]
@@ -108,18 +108,35 @@ def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
     return "\n".join(body)
 
 
-def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float) -> dict:
+def time_rows(progress: Progress, wall_s: float, resumed_at: tuple[int, float] | None) -> list[tuple[str, str]]:
+    """Training time of this process beside its wall time (which holds it); after a resume, also the
+    time of all steps, the earlier runs' included (what the mean tokens/s divides by)."""
+    if resumed_at is None:
+        return [(f"train time (steps 1-{progress.step})", f"{progress.train_time_s:.1f} s"),
+                ("wall time (startup, train, export, eval)", f"{wall_s:.1f} s")]
+    step0, time0 = resumed_at
+    return [(f"train time, this process (steps {step0 + 1}-{progress.step})",
+             f"{progress.train_time_s - time0:.1f} s"),
+            (f"train time, steps 1-{progress.step} (incl. before the resume)", f"{progress.train_time_s:.1f} s"),
+            ("wall time, this process (startup, train, export, eval)", f"{wall_s:.1f} s")]
+
+
+def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
+           resumed_at: tuple[int, float] | None = None) -> dict:
     """Collective: export (if asked), eval (if configured), summary table and <run>/summary.json.
-    ``t_start``: the run's start (``time.time()``), for the wall time."""
+    ``t_start``: this process's start (``time.time()``), for the wall time; ``resumed_at``: see
+    ``summary_table``."""
     hf_dir = export_hf(ctx) if ctx.cfg.checkpoint.export_hf else None
     result = evaluate(ctx, hf_dir)
-    table = summary_table(ctx.cfg.name, progress, peak_label, time.time() - t_start, result)
+    table = summary_table(ctx.cfg.name, progress, peak_label, time.time() - t_start, result, resumed_at)
     if ctx.is_main:
         print(table, flush=True)
         with open(ctx.run_dir / "summary.json", "w", encoding="utf-8") as f:
             json.dump({"step": progress.step, "skipped_steps": progress.skipped_steps,
                        "skipped_samples": dict(progress.last_record.get("skipped_samples") or {}), "eval": result,
                        "train_time_s": progress.train_time_s, "wall_time_s": time.time() - t_start,
+                       "resumed_at_step": resumed_at[0] if resumed_at else None,
+                       "train_time_this_process_s": progress.train_time_s - (resumed_at[1] if resumed_at else 0.0),
                        "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}
@@ -127,4 +144,4 @@ def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float)
 
 class EndOfRun(Callback):
     def on_train_end(self, trainer) -> dict:
-        return finish(trainer.ctx, trainer.progress, trainer.peak_label, trainer.t_start)
+        return finish(trainer.ctx, trainer.progress, trainer.peak_label, trainer.t_start, trainer.resumed_at)
