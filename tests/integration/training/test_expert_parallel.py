@@ -1,7 +1,7 @@
 """Expert parallelism (vlm/training/expert_parallel.py) on CPU / gloo: the same losses and parameters
 as plain data parallelism on the same ranks and global batch, exact resume under EP, the export
 gathers every expert, the end-of-run VQA eval of a VLM runs with and without an export (no hang).
-The in-process EP tests (the 1-rank dispatch, the refusals) are in tests/unit/training/test_expert_parallel.py."""
+The in-process EP tests (the 1-rank dispatch, the refusals) are in tests/unit/training/test_expert_parallel_dispatch.py."""
 from __future__ import annotations
 
 import glob

@@ -88,3 +88,14 @@ def test_deepspeed_json_filled_from_yaml():
                             ["deepspeed=zero3", "deepspeed_overrides.zero_optimization.stage3_param_persistence_threshold=0"])
     ds = build_ds_config(cfg, world_size=1, bf16=True)
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0 and ds["bf16"]["enabled"] is True
+
+
+def test_gpu_mfu_preset_is_about_1b_parameters_at_8k_packed():
+    """The config of scripts/gpu_check.sh's MFU step: a ~1B-total-parameter ConceptMoE, packed 8K rows."""
+    from vlm.flops.accountant import count_params
+    from vlm.training.build import build_model_config
+
+    cfg = load_train_config(TRAIN / "gpu_mfu.yaml")
+    assert cfg.data.max_length == 8192 and cfg.precision == "bf16" and cfg.train.micro_batch_size == 1
+    total = count_params(build_model_config(cfg))["total"]
+    assert 0.9e9 <= total <= 1.1e9, total
