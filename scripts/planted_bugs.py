@@ -53,6 +53,27 @@ PLANTS = [
   'return cls(lm=trainable.get("lm", 0) > 0 and not lora,',
   'return cls(lm=True,',
   "tests/unit/flops/test_mfu.py::test_trains_of_the_llava_align_stage"),
+ # issue 33, part 2: single-line bugs the unit tier did not see
+ ("33-quota", "data_pipelines/mixture.py",
+  'for k in np.argsort(-(exact - quotas), kind="stable")[: block_size - quotas.sum()]:',
+  'for k in np.argsort(exact - quotas, kind="stable")[: block_size - quotas.sum()]:',
+  "tests/unit/data_pipelines/test_data_mixture.py::test_block_quotas_give_spare_slots_to_the_largest_remainders"),
+ ("33-jsonl", "data_pipelines/jsonl_index.py",
+  "                spans.append((pos, pos + len(line)))\n            pos += len(line)",
+  "                spans.append((pos, pos + len(line)))\n                pos += len(line)",
+  "tests/unit/data_pipelines/test_jsonl_index.py::test_blank_lines_between_valid_records_keep_both_and_their_spans"),
+ ("33-accum", "vlm/training/trainer.py",
+  "self.engine.backward(out.loss)",
+  "self.engine.backward(out.loss / self.cfg.train.grad_accum)",
+  "tests/unit/training/test_grad_accum.py::test_accumulated_gradients_equal_one_larger_micro_batch"),
+ ("33-order", "vlm/training/callbacks/defaults.py",
+  "return [LogWindow(), NonFiniteGuard(), BoundaryPictures(), PeriodicEval(), CheckpointInterval(), EndOfRun()]",
+  "return [LogWindow(), CheckpointInterval(), NonFiniteGuard(), BoundaryPictures(), PeriodicEval(), EndOfRun()]",
+  "tests/unit/training/test_callbacks.py::test_an_aborting_nonfinite_step_on_a_checkpoint_step_is_not_saved"),
+ ("33-ep", "vlm/training/expert_parallel.py",
+  "send, recv = torch.stack((counts_E.view(P, E_loc).sum(1), recv_PL.sum(1))).tolist()",
+  "send, recv = torch.stack((counts_E.view(P, E_loc).sum(1), recv_PL.sum(0))).tolist()",
+  "tests/unit/training/test_expert_parallel_dispatch.py::test_dispatch_matches_the_unsharded_layer_in_one_process"),
 ]
 
 
