@@ -106,3 +106,14 @@ def test_adamw_is_fused_on_cuda():
     from vlm.training.optim import adamw_impl
 
     assert adamw_impl("cuda") == {"fused": True} and adamw_impl("cpu") == {"foreach": False}
+
+
+def test_gpu_mfu_preset_is_about_1b_parameters_at_8k_packed():
+    """The config of scripts/gpu_check.sh's MFU step: a ~1B-total-parameter ConceptMoE, packed 8K rows."""
+    from vlm.flops.accountant import count_params
+    from vlm.training.build import build_model_config
+
+    cfg = load_train_config(TRAIN / "gpu_mfu.yaml")
+    assert cfg.data.max_length == 8192 and cfg.precision == "bf16" and cfg.train.micro_batch_size == 20
+    total = count_params(build_model_config(cfg))["total"]
+    assert 0.9e9 <= total <= 1.1e9, total

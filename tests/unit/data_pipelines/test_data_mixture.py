@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -62,6 +63,31 @@ def test_block_quotas_and_no_shuffle():
     assert block_quotas([1, 1, 1], 1000) == [334, 333, 333]
     plain = MixtureSchedule([5], [1.0], shuffle=False)
     assert [plain(p) for p in range(12)] == [(0, p % 5) for p in range(12)]
+
+
+@pytest.mark.parametrize("weights, slots, expected", [
+    ([0.5, 0.3, 0.2], 7, [4, 2, 1]),        # exact 3.5 / 2.1 / 1.4: the one spare slot to the 0.5 remainder
+    ([0.2, 0.3, 0.5], 7, [1, 2, 4]),        # the same, largest last (the order is not what decides)
+    ([0.15, 0.6, 0.25], 4, [1, 2, 1]),      # exact 0.6 / 2.4 / 1.0: the spare to 0.6, never to the exact 1.0
+    ([1, 2, 4], 10, [1, 3, 6]),             # exact 1.43 / 2.86 / 5.71: two spares to .86 and .71
+    ([0.45, 0.35, 0.2], 9, [4, 3, 2]),      # exact 4.05 / 3.15 / 1.8: one spare, to .8
+])
+def test_block_quotas_give_spare_slots_to_the_largest_remainders(weights, slots, expected):
+    assert block_quotas(weights, slots) == expected
+
+
+def test_block_quotas_are_within_one_of_the_exact_share_and_favour_larger_remainders():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        w = rng.random(int(rng.integers(2, 6))) + 1e-3
+        slots = int(rng.integers(1, 50))
+        quotas = np.asarray(block_quotas(w.tolist(), slots))
+        exact = w / w.sum() * slots
+        extra, remainder = quotas - np.floor(exact), exact - np.floor(exact)
+        assert quotas.sum() == slots and (np.abs(quotas - exact) < 1).all(), (w, slots, quotas)
+        # a larger remainder never gets fewer extra slots than a smaller one
+        assert all(extra[i] >= extra[j] for i in range(len(w)) for j in range(len(w))
+                   if remainder[i] > remainder[j]), (w, slots, quotas)
 
 
 def test_rank_slices_are_disjoint():

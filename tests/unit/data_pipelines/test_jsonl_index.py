@@ -91,6 +91,22 @@ def test_same_records_on_the_default_data(tmp_path_factory):
     assert all(summary(new[i]) == summary(old[i]) for i in range(0, 540, 7))
 
 
+@pytest.mark.parametrize("blank", [b"\n", b"   \n", b"\r\n", b"\n\n\t\n"])
+def test_blank_lines_between_valid_records_keep_both_and_their_spans(tmp_path, blank):
+    """Blank lines count toward the byte offset of the records after them (the index skips the
+    line, never its bytes)."""
+    first, second, third = (json.dumps(digit_record(i, None)).encode() + b"\n" for i in range(3))
+    data = first + blank + second + blank + blank + third
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(data)
+    starts = [0, len(first + blank), len(first + blank + second + blank + blank)]
+    expected = [(s, s + len(r)) for s, r in zip(starts, (first, second, third))]
+    assert jsonl_index.scan_jsonl(str(path)).tolist() == [list(span) for span in expected]
+    ds = LlavaJsonDataset(str(path))
+    assert len(ds) == 3 and [ds[i]["id"] for i in range(3)] == ["r0", "r1", "r2"]
+    assert [ds._raw(i) for i in range(3)] == [first, second, third]
+
+
 def test_index_is_reused_and_rebuilt_when_stale(tmp_path, caplog):
     path = write_llava(str(tmp_path / "d.jsonl"), [digit_record(i, None) for i in range(5)], jsonl=True)
     before = dict(jsonl_index.STATS)
