@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 SCAN_BLOCK = 64  # vlm.modeling.linear_scan.BLOCK (the chunk of the dechunk EMA scan)
+SCAN_MAX_CHUNKS = 512  # vlm.modeling.linear_scan.MAX_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,15 @@ def _ratio(a: Arch, ratio: float | None) -> float:
     return float(ratio) if ratio is not None else a.R
 
 
+def dechunk_flops_per_token(d: int, seq_len: float, ratio: float) -> float:
+    """Forward FLOPs per token of the dechunk EMA scan (``linear_scan.scan_torch``): a [Q, Q] x [Q, d] matmul
+    per chunk of Q concepts (the last chunk padded) and the [N, N] x [N, d] carry across the N chunks."""
+    M = max(1, math.ceil(seq_len / ratio - 1e-9))
+    Q = max(SCAN_BLOCK, math.ceil(M / SCAN_MAX_CHUNKS))
+    chunks = math.ceil(M / Q)
+    return 2 * d * (chunks * Q * Q + chunks * chunks) / seq_len
+
+
 def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal_half: bool = False) -> dict:
     """Forward FLOPs per token by part, plus ``total``, ``total_no_attn_map`` and ``train_*`` (3x).
 
@@ -176,9 +186,9 @@ def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal
     - KV bytes per token: token layers 2 * kv_heads * head_dim * dtype_bytes each; concept layers
       the same per concept (i.e. / R per token), once per run (each loop slot has its own cache).
       With ``concept_merge="sum"`` the cache holds completed concepts only (one entry fewer per row).
-    - The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the blocked EMA scan of
-      ``linear_scan.scan_torch`` (a [Q, Q] x [Q, d] matmul per chunk of Q = min(64, M) concepts; the
-      [N, N] carry across the N = M / 64 chunks is not counted).
+    - The chunker projects every token (W_q, W_k: 4 d^2 FLOPs); the dechunk is the chunked EMA scan of
+      ``linear_scan.scan_torch``: a [Q, Q] x [Q, d] matmul per chunk of Q = 64 concepts (the last chunk
+      padded) and the [N, N] x [N, d] carry across the N chunks.
 
     API: ``count_params``, ``flops_per_token``, ``kv_bytes_per_token``, ``compare_table``; the matching
     solver is ``vlm.flops.matching``; CLI ``python -m vlm.flops --help``.
@@ -206,9 +216,7 @@ def flops_per_token(cfg, seq_len: int = 4096, ratio: float | None = None, causal
     f["lm_head"] = 2 * a.d * a.vocab
     if a.chunking:
         f["chunk"] = 4 * a.d * a.d
-        M = max(1, math.ceil(N / R - 1e-9))
-        Q = min(SCAN_BLOCK, M)
-        f["dechunk"] = 2 * a.d * Q * Q * math.ceil(M / Q) / N
+        f["dechunk"] = dechunk_flops_per_token(a.d, N, R)
         if a.width_c != a.d:
             f["concept_proj"] = 4 * a.d * a.width_c / R
     f["total"] = sum(f.values())

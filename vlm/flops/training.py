@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vlm.flops.accountant import SCAN_BLOCK, Arch, _attn_params, _joint_params, _ratio
+from vlm.flops.accountant import Arch, _attn_params, _joint_params, _ratio, dechunk_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,7 @@ def region_flops(cfg, seq_len: float, ratio: float | None = None, causal_half: b
     out["dec"]["weights"] += 2 * a.d * a.vocab
     if a.chunking:
         out["chunk"]["weights"] = 4 * a.d * a.d
-        M = max(1, math.ceil(N / R - 1e-9))
-        Q = min(SCAN_BLOCK, M)
-        out["dechunk"]["map"] = 2 * a.d * Q * Q * math.ceil(M / Q) / N
+        out["dechunk"]["map"] = dechunk_flops_per_token(a.d, N, R)
         if a.width_c != a.d:
             out["con"]["weights"] += 4 * a.d * a.width_c / R
     return out

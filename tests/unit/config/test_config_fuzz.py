@@ -412,6 +412,11 @@ TRAIN_RULES = {
     "log.jsonl": wrong_type("bool", nullable=True),
     "log.peak_flops": bad_float(0, strict=True, nullable=True),
     "log.visualize_every": below(0),
+    "log.profile_steps": st.one_of(  # not [first, last] with 1 <= first <= last
+        wrong_type("list", nullable=True), st.lists(st.integers(1, 9), max_size=1),
+        st.lists(st.integers(1, 9), min_size=3, max_size=4),
+        st.tuples(st.integers(max_value=0), st.integers(1, 9)).map(list),
+        st.integers(2, 9).map(lambda a: [a, a - 1])),
     "checkpoint": NOT_MAPPING,
     "checkpoint.every_steps": below(0),
     "checkpoint.keep_last": below(1),
