@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal
+.PHONY: setup data test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
 
 setup: $(STAMP)
 
@@ -81,6 +81,11 @@ gpu-kit: $(STAMP)
 # the GPU check on this CPU, in a venv that mimics the GPU machine's image (not part of CI)
 gpu-rehearsal: $(STAMP)
 	bash scripts/gpu_rehearsal.sh
+
+# its test step only (the device-marked tests under the GPU image's torch 2.11 / transformers 5.17, on
+# the CPU; not part of CI): after a change to vlm/modeling and before a GPU lease (docs/gpu.md)
+test-rehearsal: $(STAMP)
+	GPU_CHECK_STEPS=tests GPU_CHECK_OUT=runs/test_rehearsal bash scripts/gpu_rehearsal.sh
 
 clean:
 	rm -rf runs/ $(DATA_DIR)

@@ -24,9 +24,15 @@ IMAGE, TEXT = 1, 0  # modality ids
 
 
 def boundary_prob(q_BTD: torch.Tensor, k_prev_BTD: torch.Tensor) -> torch.Tensor:
-    """p = 0.5 * (1 - cos(q_n, k_{n-1})) in fp32, clamped to [0, 1]."""
+    """p = 0.5 * (1 - cos(q_n, k_{n-1})) in fp32, clamped to [0, 1].
+
+    No gradient where p is 0 or 1: cos = +-1 to fp32 precision is its extremum, and the gradient
+    autograd would give there is rounding (the sine of an angle fp32 does not resolve, over |q|:
+    large for a small q). Explicit, because clamp's backward at its bounds differs between torch
+    versions (2.11 passes the gradient there, 2.14 does not)."""
     cos = F.cosine_similarity(q_BTD.float(), k_prev_BTD.float(), dim=-1, eps=1e-8)
-    return (0.5 * (1.0 - cos)).clamp(0.0, 1.0)
+    p_BT = 0.5 * (1.0 - cos)
+    return torch.where((p_BT > 0.0) & (p_BT < 1.0), p_BT, p_BT.detach().clamp(0.0, 1.0))
 
 
 def sharpen(p: torch.Tensor, tau: float) -> torch.Tensor:

@@ -46,6 +46,34 @@ def test_boundary_prob_formula_and_identity_init():
 
 
 @pytest.mark.device
+def test_boundary_prob_saturated_has_no_gradient():
+    """Where p rounds to exactly 0 or 1 (q and k parallel or opposite to fp32 precision: cos at its
+    extremum) the gradient is zero in every torch version: clamp's backward at its bounds is not
+    relied on (torch 2.11, the GPU image's, passes the gradient there, 2.14 does not). What autograd
+    would give there is rounding, sin(angle) / |q|: large for a small q (1e-3 here; the full-model
+    varlen test of tests/unit/modeling/test_varlen_attention.py failed on it under 2.11)."""
+    g = torch.Generator().manual_seed(0)
+    u, w = torch.randn(2, D, generator=g, dtype=torch.float64)
+    u = u / u.norm()
+    w = w - (w @ u) * u
+    w = w / w.norm()
+    q_small = 3e-5 * (u + 1e-5 * w)  # |q| 3e-5, 1e-5 rad off u: 1 - cos = 5e-11, below fp32's resolution
+    q = dev(torch.stack([q_small, -q_small, 0.02 * (u + w)]).float()[None]).requires_grad_()
+    k = dev((7e-3 * u).float().expand(1, 3, D).contiguous()).requires_grad_()
+    p = boundary_prob(q, k)
+    sat = (p[0, :2] == 0) | (p[0, :2] == 1)
+    assert bool(sat.all()) if DEVICE.type == "cpu" else bool(sat.any())  # saturated: really tested
+    p.sum().backward()
+    assert q.grad[0, :2][sat].abs().max().item() == 0.0 and k.grad[0, :2][sat].abs().max().item() == 0.0
+    # unsaturated (45 degrees): the formula's gradient
+    q2, k2 = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    (0.5 * (1 - F.cosine_similarity(q2, k2, dim=-1, eps=1e-8)))[0, 2].backward()
+    torch.testing.assert_close(q.grad[0, 2], q2.grad[0, 2])
+    torch.testing.assert_close(k.grad[0, 2], k2.grad[0, 2])
+    assert q.grad[0, 2].abs().max().item() > 1
+
+
+@pytest.mark.device
 def test_sharpen_formula():
     p = dev(torch.tensor([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]))
     tau = 6.0
