@@ -121,3 +121,43 @@ def test_documented_lmms_eval_commands_pass_a_batch_size():
     assert {"docs/evaluation.md", "eval_suites/README.md"} <= {where for where, _ in commands}
     for where, cmd in commands:
         assert "--batch_size" in cmd and int(cmd[cmd.index("--batch_size") + 1]) >= make_eval, (where, cmd)
+
+
+def test_text_eval_says_when_the_model_never_saw_text(tokenizer_dir, tmp_path, capsys):
+    """The default VLM run trains on digits VQA only: text_eval's perplexity is then that of a language model
+    that never saw plain text, and the output says so in one line (and the JSON); a run with a text corpus,
+    a pretrained LLM, or no train_config.json beside the export gets no such line."""
+    import json
+
+    from eval_suites.text_eval import main
+
+    ckpt = make_tiny_checkpoint(tmp_path / "hf", tokenizer_dir)
+    text = tmp_path / "held_out.txt"
+    text.write_text("To be, or not to be, that is the question:\n" * 4, encoding="utf-8")
+    run_config = tmp_path / "train_config.json"
+    digits = {"name": "digits_train", "type": "llava_json", "path": "digits_train.json"}
+    shakespeare = {"name": "shakespeare_train", "type": "text", "path": "shakespeare_train.txt"}
+
+    def write(model=None, **data):
+        run_config.write_text(json.dumps({"model": {"kind": "vlm", **(model or {})}, "data": data}))
+
+    write(kind="mixture", datasets=[digits])
+    capsys.readouterr()
+    assert main(["--checkpoint", ckpt, "--text", str(text), "--seq-len", "16", "--device", "cpu",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "trained on no text-only corpus (digits_train (llava_json)" in notes[0], notes
+    assert "never saw plain text" in notes[0] and str(run_config) in notes[0]
+    assert json.loads((tmp_path / "r.json").read_text())["note"] == notes[0]
+    from eval_suites.text_eval import untrained_on_text_note
+
+    write(kind="synthetic")
+    assert "synthetic tokens only" in untrained_on_text_note(ckpt)
+    write(kind="mixture", datasets=[digits, shakespeare])
+    assert untrained_on_text_note(ckpt) is None
+    write(kind="mixture", config="configs/data/default.yaml", datasets=None)  # its mixture has Shakespeare
+    assert untrained_on_text_note(ckpt) is None
+    write({"llm": "some/pretrained-llm"}, kind="mixture", datasets=[digits])
+    assert untrained_on_text_note(ckpt) is None
+    run_config.unlink()  # no train_config.json: nothing is claimed
+    assert untrained_on_text_note(ckpt) is None
