@@ -8,6 +8,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 LOCAL_TASK_PREFIX = "cmoe_"
+# The lmms-eval model's defaults, make eval's too: batch 8 at 1 CPU thread (this model's matmuls are too small
+# for intra-op threads; configs/train/default.yaml): same scores as batch 1 at all cores, 4x to 50x sooner on 2
+# cores (idle to busy). lmms-eval's CLI always passes its own --batch_size (1 unless given): pass 8 there.
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_CPU_THREADS = 1
 
 
 def checkpoint_problem(path: str, need_processor: bool = True, model_types=("conceptmoe_vlm",)) -> str | None:

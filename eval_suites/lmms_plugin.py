@@ -48,6 +48,7 @@ from lmms_eval.api.model import lmms  # noqa: E402
 from vlm.modeling.chat_template import TokenizationMismatch  # noqa: E402
 from vlm.modeling.padding import pad_token_lists  # noqa: E402
 from vlm.modeling.chat_common import IGNORE_INDEX  # noqa: E402
+from eval_suites.common import DEFAULT_BATCH_SIZE, DEFAULT_CPU_THREADS  # noqa: E402
 from eval_suites.lmms_compat import apply_lmms_eval_compat  # noqa: E402
 from eval_suites.lmms_inputs import (  # noqa: E402
     as_bool,
@@ -89,8 +90,8 @@ class ConceptMoEVLMEval(lmms):
     is_simple = True
 
     def __init__(self, pretrained="runs/train-vlm/hf", processor=None, device=None, dtype="float32",
-                 batch_size=1, max_new_tokens=32, score_end_token=True, interface="simple", cpu_threads=None,
-                 **kwargs) -> None:
+                 batch_size=DEFAULT_BATCH_SIZE, max_new_tokens=32, score_end_token=True, interface="simple",
+                 cpu_threads=DEFAULT_CPU_THREADS, **kwargs) -> None:
         super().__init__()
         if str(interface).strip().lower() not in ("simple", "chat"):
             raise ValueError(f"conceptmoe_vlm: interface must be simple or chat, got {interface!r}")
@@ -135,8 +136,9 @@ class ConceptMoEVLMEval(lmms):
         if self.chat.end_id is None:
             raise ValueError("conceptmoe_vlm: the tokenizer has no <|end|> token")
         if isinstance(batch_size, str) and not batch_size.strip().isdigit():
-            warnings.warn(f"conceptmoe_vlm: batch_size={batch_size!r} not supported, using 8", stacklevel=2)
-            batch_size = 8
+            warnings.warn(f"conceptmoe_vlm: batch_size={batch_size!r} not supported, using {DEFAULT_BATCH_SIZE}",
+                          stacklevel=2)
+            batch_size = DEFAULT_BATCH_SIZE
         self.batch_size_per_gpu = max(1, int(batch_size))
         self.max_new_tokens = int(max_new_tokens)
         self.score_end_token = as_bool(score_end_token)

@@ -20,6 +20,8 @@ from importlib import metadata
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from eval_suites.common import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_CPU_THREADS,
     LOCAL_TASK_PREFIX,
     REPO_ROOT,
     TASKS_DIR,
@@ -154,8 +156,8 @@ def parse_args(argv):
     parser.add_argument("--eval-data", default=None, help="task parquet folder (default: <data>/eval; built if needed)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:0 (default: cuda if available)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--cpu-threads", default="1",
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--cpu-threads", default=str(DEFAULT_CPU_THREADS),
                         help="torch threads on CPU, the trainer's cpu_threads (default 1, as configs/train/default.yaml: "
                              "this model's matmuls are too small for more to pay off); auto = OMP_NUM_THREADS, else "
                              "all cores")

@@ -132,6 +132,45 @@ def evaluate_text(checkpoint: str, text_path: str, seq_len: int | None = None, b
     return result
 
 
+TEXT_ONLY_TYPES = ("text",)  # data.datasets types of plain text (data_pipelines/sources.py)
+
+
+def untrained_on_text_note(checkpoint: str) -> str | None:
+    """One line when the run that exported ``checkpoint`` (its ``train_config.json``, one folder up: an export
+    is ``runs/<name>/hf``) started from a random language model and trained on no text-only corpus: its
+    perplexity on plain text then measures a model that never saw any. None when that is not known."""
+    import yaml
+
+    from eval_suites.common import REPO_ROOT
+
+    path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "train_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    if model.get("llm") or model.get("init_from"):  # a pretrained language model: it has seen text
+        return None
+    datasets = data.get("datasets")
+    if data.get("kind") == "synthetic":
+        seen = "synthetic tokens only"
+    else:
+        if datasets is None and data.get("config"):
+            config = data["config"] if os.path.isabs(data["config"]) else os.path.join(REPO_ROOT, data["config"])
+            try:
+                with open(config, encoding="utf-8") as f:
+                    datasets = (yaml.safe_load(f) or {}).get("datasets")
+            except (OSError, yaml.YAMLError):
+                return None
+        if not isinstance(datasets, list) or any(d.get("type") in TEXT_ONLY_TYPES for d in datasets):
+            return None
+        seen = ", ".join(f"{d.get('name') or d.get('path')} ({d.get('type')})" for d in datasets)
+    return (f"note: this checkpoint's language model started from random weights and trained on no text-only "
+            f"corpus ({seen}; {path}): it never saw plain text, so these figures are not those of a text model "
+            f"(train with a text dataset, e.g. configs/data/default.yaml's shakespeare_train, to score text)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="HF export folder (VLM or text-only ConceptMoE)")
@@ -177,6 +216,10 @@ def main(argv=None) -> int:
                 "compression_ratio", "target_ratio", "concepts", "seconds"):
         value = result[key]
         print(f"{key:18s} {value:.4f}" if isinstance(value, float) else f"{key:18s} {value}")
+    note = untrained_on_text_note(args.checkpoint)
+    if note:
+        print(note)
+        result["note"] = note
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:

@@ -22,6 +22,16 @@ PRESETS = ROOT / "configs" / "model"
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir_of_the_session(tmp_path_factory):
+    """The per-machine cache (the CPU peak of MFU, vlm/training/peak.py) in a session folder, never the
+    user's ~/.cache: every in-process run and launched process of the session reads and writes there."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLM_CACHE_DIR", str(tmp_path_factory.mktemp("vlm_cache")))
+        mp.delenv("VLM_REMEASURE_PEAK", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread_per_file():
     """Every test file starts at the one thread above: the evaluation plugin applies the CPU thread

@@ -150,7 +150,7 @@ class LogSection(Section):
     report_to: Annotated[list[Literal[REPORT_TO]], AfterValidator(_unique)] = ["tensorboard", "jsonl"]
     tensorboard: bool | None = None  # shorthand: true adds tensorboard to report_to, false drops it
     jsonl: bool | None = None  # the same for jsonl
-    peak_flops: Num(gt=0) | None = None  # per device; None = GPU spec sheet / measured CPU matmul (training/peak.py)
+    peak_flops: Num(gt=0) | None = None  # per device; None = GPU spec sheet / cached CPU matmul peak (training/peak.py)
     visualize_every: NonNegInt = 0  # boundary picture via vlm.visualize every N steps (0 = never)
     # [first, last]: torch.profiler over those optimizer steps -> <run>/profile.json (GPU idle fraction,
     # top kernels; callbacks/profile_window.py); null = no profiling

@@ -9,6 +9,7 @@ load logs one line, and a random init happens only when nothing names weights.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -180,7 +181,10 @@ class VisionEncoder(nn.Module, abc.ABC):
         """Log the one load line (call at the end of the backend's ``__init__``); returns it.
         ``load_what`` keeps ``what`` for a later load into this tower to log its own line."""
         self.load_what = what
-        self.load_line = log_load(self, what, source)
+        # a tower built inside from_pretrained (META_SOURCE) holds nothing yet: the weights that load into it
+        # are the model's to report, so that line is debug-level (it came with every model load)
+        level = logging.DEBUG if source == META_SOURCE else logging.INFO
+        self.load_line = log_load(self, what, source, level)
         return self.load_line
 
     def image_transform(self) -> ImageTransform:

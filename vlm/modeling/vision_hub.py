@@ -135,9 +135,9 @@ def load_line_muted():
         LOG.disabled = before
 
 
-def log_load(module: nn.Module, what: str, source: str) -> str:
-    """The one line every vision load logs: what, from where, tensor count and checksum."""
+def log_load(module: nn.Module, what: str, source: str, level: int = logging.INFO) -> str:
+    """The one line every vision load logs: what, from where, tensor count and checksum (at ``level``)."""
     count, digest = weights_digest(module)
     line = f"vision: {what} <- {source}: {count} tensors, {digest}"
-    LOG.info(line)
+    LOG.log(level, line)
     return line

@@ -1,6 +1,8 @@
 """Honest MFU: the attention map is counted per document (causal half), not over the packed row, over the
 real (not padded) tokens; training FLOPs count what trains (a frozen LM: forward + input gradient, checked
 against FlopCounterMode); the CPU peak is measured; never an MFU above 100%."""
+import json
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -11,6 +13,7 @@ from vlm.flops.training import Trains, region_flops
 from vlm.flops.training import train_flops_per_token as count_train_flops
 from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 from vlm.training.metrics import MfuMeter, WindowStats, doc_tokens_sq, summarize, train_flops_per_token
+from vlm.training import peak as peak_mod
 from vlm.training.peak import resolve_peak
 
 
@@ -126,9 +129,23 @@ def test_frozen_lm_counts_forward_and_input_gradient(preset):
         assert got["full"] - got["align"] == pytest.approx(f["total_no_attn_map"] * seq, rel=1e-9)
 
 
-def test_cpu_mfu_is_against_a_measured_peak_and_never_above_100_percent():
+def test_cpu_mfu_is_against_a_measured_peak_and_never_above_100_percent(tmp_path, monkeypatch):
+    monkeypatch.setenv(peak_mod.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(peak_mod.REMEASURE_ENV, raising=False)
     peak, source = resolve_peak(None, "cpu", torch.float32)
     assert source.startswith("measured") and peak > 1e8
+    cache = tmp_path / "cache" / "cpu_peak.json"
+    assert f"cached in {cache}" in source, source  # the cache path is said
+    # measured once per machine: a second run divides by the same peak, read back from the cache
+    entry = json.loads(cache.read_text())[peak_mod.peak_key(torch.float32)]
+    assert entry["flops"] == peak
+    monkeypatch.setitem(peak_mod._MEASURED, (torch.float32, torch.get_num_threads(), peak_mod.MATMUL_N), 1.0)
+    again, source = resolve_peak(None, "cpu", torch.float32)
+    assert again == peak and source.startswith(f"cached (measured {entry['measured']})") and str(cache) in source
+    monkeypatch.setenv(peak_mod.REMEASURE_ENV, "1")  # measures again and replaces the cached value
+    fresh, source = resolve_peak(None, "cpu", torch.float32)
+    assert source.startswith("measured") and fresh > 1e8
+    assert json.loads(cache.read_text())[peak_mod.peak_key(torch.float32)]["flops"] == fresh
     assert resolve_peak(5e9, "cpu", torch.float32) == (5e9, "log.peak_flops")
     said = []
     meter = MfuMeter(1e9, 2, "1e+09 FLOP/s/device (test)", said.append)

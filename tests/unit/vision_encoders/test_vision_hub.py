@@ -244,8 +244,9 @@ def test_open_clip_errors_are_one_line(hub_cache, tiny_vit_b_16):
 
 def test_meta_device_build_reads_no_weights(hub_cache, tiny_vit_b_16, tmp_path, caplog):
     """Inside a VLM from_pretrained (meta device) the tower is the architecture only: nothing is read, so an
-    empty cache is fine, and the tag's preprocessing still applies."""
-    caplog.set_level(logging.INFO, logger="vision_encoders")
+    empty cache is fine, and the tag's preprocessing still applies. Its load line is debug-level (it came
+    with every model load, and says nothing was read)."""
+    caplog.set_level(logging.DEBUG, logger="vision_encoders")
     _save_hf("siglip", tmp_path / "siglip")
     configs = [
         VisionEncoderConfig(backbone="timm", model_name="vit_base_patch16_clip_224.openai",
@@ -263,6 +264,7 @@ def test_meta_device_build_reads_no_weights(hub_cache, tiny_vit_b_16, tmp_path, 
     lines = _load_lines(caplog)
     assert len(lines) == 4 and all("<- the checkpoint being loaded (built on the meta device, nothing read here): "
                                    in line and line.endswith("tensors, no data yet") for line in lines), lines
+    assert {r.levelno for r in caplog.records if r.name == "vision_encoders"} == {logging.DEBUG}
 
 
 # ----- transformers ---------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from vlm.training.distributed import barrier
 from vlm.training.gathered import gather_state, scoring_model, unsharded_model
 from vlm.training.state import Progress, RunContext
 
+VALUE_WIDTH = 48  # the summary table's value column wraps beyond this
+
 
 def export_hf(ctx: RunContext) -> Path:
     """Collective: gather full weights (ZeRO-3 / expert parallel) and write <run>/hf on rank 0 (LoRA
@@ -97,14 +99,29 @@ def summary_table(name: str, progress: Progress, peak_label: str, wall_s: float,
                          f"{rec[key]:.2f}"))
     tps = progress.tokens_seen / progress.train_time_s if progress.train_time_s else float("nan")
     rows.append(("train tokens/s (mean)", f"{tps:,.0f}"))
-    if "mfu" in rec:
-        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak_label}"))
+    if "mfu" in rec:  # the peak's value beside the MFU, its source on the next row
+        peak, _, source = str(peak_label).partition(" (")
+        rows.append(("MFU (last window)", f"{rec['mfu']:.2%} of {peak}"))
+        if source:
+            rows.append(("  peak", source.removesuffix(")").split("; ")[0]))
     rows += time_rows(progress, wall_s, resumed_at)
-    width = max(len(r[0]) for r in rows)
-    line = "+" + "-" * (width + 2) + "+" + "-" * 34 + "+"
-    body = [line, f"| {'summary: ' + name:<{width}} | {'':<32} |", line]
-    body += [f"| {k:<{width}} | {v:<32} |" for k, v in rows]
-    body.append(line)
+    return format_table(f"summary: {name}", rows)
+
+
+def format_table(title: str, rows: list[tuple[str, str]], max_value: int = VALUE_WIDTH) -> str:
+    """A two-column text table; values longer than ``max_value`` wrap onto continuation lines, so that no
+    row runs past the border."""
+    import textwrap
+
+    lines = [(k, part) for k, v in rows
+             for i, part in enumerate(textwrap.wrap(v, max_value, break_on_hyphens=False) or [""])
+             for k in [k if i == 0 else ""]]
+    width = max(len(title), *(len(k) for k, _ in lines))
+    vwidth = max(32, *(len(v) for _, v in lines))
+    border = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
+    body = [border, f"| {title:<{width}} | {'':<{vwidth}} |", border]
+    body += [f"| {k:<{width}} | {v:<{vwidth}} |" for k, v in lines]
+    body.append(border)
     return "\n".join(body)
 
 
@@ -137,7 +154,8 @@ def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
                        "train_time_s": progress.train_time_s, "wall_time_s": time.time() - t_start,
                        "resumed_at_step": resumed_at[0] if resumed_at else None,
                        "train_time_this_process_s": progress.train_time_s - (resumed_at[1] if resumed_at else 0.0),
-                       "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics()},
+                       "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics(),
+                       "mfu_peak": peak_label},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}
 
