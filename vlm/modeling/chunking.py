@@ -246,8 +246,7 @@ class ChunkModule(nn.Module):
         cum_BT = b_BT.long().cumsum(1)
         index_BT = torch.where(valid_BT, cum_BT - 1, -1)
         count_B = cum_BT[:, -1]
-        with host_sync(CONCEPT_SYNC):  # host sync: M, the concept sequence's length, is a shape
-            M = max(int(count_B.max()), 1)
+        M = concept_len(count_B)
         arange_M = torch.arange(M, device=h_BTD.device)[None].expand(B, M)
         valid_BM = arange_M < count_B[:, None]
         start_BM = torch.searchsorted(cum_BT, arange_M + 1).clamp(max=T - 1)  # boundary token of m
@@ -269,6 +268,13 @@ class ChunkModule(nn.Module):
 
 
 CONCEPT_SYNC = "chunking: the number of concepts M (longest row) is the concept sequence's length"
+
+
+@torch.compiler.disable  # a host read: under torch.compile one graph break here
+def concept_len(count_B: torch.Tensor) -> int:
+    """M, the longest row's concept count (at least 1): the concept sequence's length."""
+    with host_sync(CONCEPT_SYNC):  # host sync: M is a shape
+        return max(int(count_B.max()), 1)
 
 
 def concept_positions(segment_BM: torch.Tensor) -> torch.Tensor:

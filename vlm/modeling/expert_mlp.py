@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .grouped_mm import grouped_mm
+
 
 def _outside(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
     """[S, 1] bool: rows at or after the last segment end (no host read)."""
@@ -30,12 +32,12 @@ class GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S):
-        gu_S2I = torch._grouped_mm(x_SD, w_gate_up_ED2I, offs=offs_E)
+        gu_S2I = grouped_mm(x_SD, w_gate_up_ED2I, offs=offs_E)
         gate_SI, up_SI = gu_S2I.chunk(2, -1)
         h_SI = F.silu(gate_SI).mul_(up_SI)
         if rw_S is not None:
             h_SI.mul_(rw_S[:, None])
-        y_SD = torch._grouped_mm(h_SI, w_down_EID, offs=offs_E).masked_fill_(_outside(offs_E, x_SD.shape[0]), 0.0)
+        y_SD = grouped_mm(h_SI, w_down_EID, offs=offs_E).masked_fill_(_outside(offs_E, x_SD.shape[0]), 0.0)
         ctx.save_for_backward(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S)
         return y_SD
 
@@ -48,7 +50,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         sig_SI = torch.sigmoid(gate_SI)
         silu_SI = gate_SI * sig_SI
         h_SI = silu_SI * up_SI
-        g_hw_SI = torch._grouped_mm(g_SD, w_down_EID.transpose(-2, -1), offs=offs_E)  # d loss / d (h * rw)
+        g_hw_SI = grouped_mm(g_SD, w_down_EID.transpose(-2, -1), offs=offs_E)  # d loss / d (h * rw)
         g_rw = None
         if rw_S is not None:
             if ctx.needs_input_grad[4]:
@@ -57,21 +59,24 @@ class GroupedSwiGLU(torch.autograd.Function):
             g_hw_SI.mul_(rw_S[:, None])  # now d loss / d h
         g_down = None
         if ctx.needs_input_grad[3]:
-            g_down = torch._grouped_mm(h_SI.t(), g_SD, offs=offs_E)  # [E, I, D]
+            g_down = grouped_mm(h_SI.t(), g_SD, offs=offs_E)  # [E, I, D]
         del h_SI
-        g_gu_S2I = torch.empty_like(gu_S2I)
-        g_gate_SI, g_up_SI = g_gu_S2I.chunk(2, -1)
-        torch.mul(g_hw_SI, silu_SI, out=g_up_SI)
-        # d silu(g) / d g = sig * (1 + g * (1 - sig)), in place on the recomputed tensors
+        # d silu(g) / d g = sig * (1 + g * (1 - sig)), in place on the recomputed tensors; the two
+        # halves are written separately and joined by one cat (Dynamo traces no ``out=`` into a
+        # strided view; the cat is where inductor writes them)
         dsilu_SI = sig_SI.mul_(gate_SI - silu_SI + 1.0)
-        torch.mul(g_hw_SI.mul_(up_SI), dsilu_SI, out=g_gate_SI)
-        del g_hw_SI, sig_SI, silu_SI, dsilu_SI
+        g_up_SI = g_hw_SI * silu_SI
+        del silu_SI
+        g_gate_SI = g_hw_SI.mul_(up_SI).mul_(dsilu_SI)
+        del g_hw_SI, sig_SI, dsilu_SI
+        g_gu_S2I = torch.cat([g_gate_SI, g_up_SI], -1)
+        del g_gate_SI, g_up_SI
         g_x = g_gate_up = None
         if ctx.needs_input_grad[0]:
-            g_x = torch._grouped_mm(g_gu_S2I, w_gate_up_ED2I.transpose(-2, -1), offs=offs_E)
+            g_x = grouped_mm(g_gu_S2I, w_gate_up_ED2I.transpose(-2, -1), offs=offs_E)
             g_x.masked_fill_(outside_S1, 0.0)
         if ctx.needs_input_grad[2]:
-            g_gate_up = torch._grouped_mm(x_SD.t(), g_gu_S2I, offs=offs_E)  # [E, D, 2I]
+            g_gate_up = grouped_mm(x_SD.t(), g_gu_S2I, offs=offs_E)  # [E, D, 2I]
         return g_x, None, g_gate_up, g_down, g_rw
 
 

@@ -24,7 +24,11 @@ Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for te
   each bucket gathered into a [n_docs, max_len] batch for one causal SDPA: at most log2(T) + 1
   launches whatever the number of documents; padding inside a bucket < 2x its tokens.
 
-Memory is linear in the tokens for all three (no T x T anything).
+Memory is linear in the tokens for all three (no T x T anything). Under ``torch.compile`` (a
+compiled block, ``train.compile``) ``loop`` and ``bucketed`` would unroll their Python lists of
+documents into the graph, one graph per packing; there ``auto`` runs ``masked`` instead: one SDPA
+with a [B, 1, T, T] document mask built on the device from the layout's tensors (no host list, so
+any packing of any length reuses the graph; memory quadratic in the row length).
 """
 from __future__ import annotations
 
@@ -95,6 +99,7 @@ class DocLayout:
         return out
 
     @classmethod
+    @torch.compiler.disable  # host reads (nonzero, unique, lengths): under torch.compile one graph break here
     def build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> DocLayout:
         with host_sync(LAYOUT_SYNC):
             return cls._build(valid_BT, segment_BT)
@@ -162,6 +167,8 @@ def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
         raise ValueError("varlen KERNEL='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
     if flash_applies(q_BHTD):
         return _flash(q_BHTD, k_BHTD, v_BHTD, layout)
+    if KERNEL == "auto" and torch.compiler.is_compiling():
+        return _masked(q_BHTD, k_BHTD, v_BHTD, layout)
     if KERNEL == "loop" or (KERNEL == "auto" and not q_BHTD.is_cuda):
         return _loop(q_BHTD, k_BHTD, v_BHTD, layout)
     return _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
@@ -180,6 +187,18 @@ def _flash(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
         q_NHD, k_NHD, v_NHD = q_NHD[p], k_NHD[p], v_NHD[p]
     out = varlen_call(q_NHD, k_NHD, v_NHD, layout.cu_seq, layout.max_len)
     return (out if p is None else out[layout.inv_N]).view(B, T, H, D)
+
+
+def _masked(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
+    """One SDPA, a query seeing the earlier keys of its document; documents from the layout's tensors
+    (slot s of the document order is in document searchsorted(cu_seq, s)), never read on the host."""
+    B, H, T, D = q_BHTD.shape
+    slot_N = torch.arange(B * T, device=q_BHTD.device, dtype=layout.cu_seq.dtype)
+    doc_BT = torch.searchsorted(layout.cu_seq, slot_N, right=True)[layout.inv_N].view(B, T)
+    pos_T = torch.arange(T, device=q_BHTD.device)
+    mask_BTT = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (pos_T[None, :] <= pos_T[:, None])[None]
+    out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=mask_BTT[:, None], enable_gqa=True)
+    return out_BHTD.transpose(1, 2)
 
 
 def _loop(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:

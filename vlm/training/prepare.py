@@ -50,11 +50,13 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, *, zero_stage: int, world_
                         else optim.apply_freeze(model, trainable))
     loss_only(model)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    if cfg.train.compile:
-        n = compile_blocks(model, dtype)
-        log_line(f"[train] train.compile: {n} transformer blocks compiled (torch.compile)")
-    counts = ParamCounts(total=optim.count_params(model), trainable=trainable_counts)
     ep_size = cfg.parallel.expert_parallel_size
+    if cfg.train.compile:
+        # the expert-parallel exchange reads its split sizes on the host: a graph break in each MoE block
+        n = compile_blocks(model, dtype, fullgraph=ep_size == 1)
+        log_line(f"[train] train.compile: {n} transformer blocks compiled (torch.compile, "
+                 + ("one graph each)" if ep_size == 1 else "graph breaks at the expert-parallel exchange)"))
+    counts = ParamCounts(total=optim.count_params(model), trainable=trainable_counts)
     if ep_size > 1:
         check_supported(cfg, world_size, model, zero_stage)
         n = apply_expert_parallel(model, ep_size)

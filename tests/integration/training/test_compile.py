@@ -3,8 +3,11 @@ the tiny ConceptMoE compiled (inductor: g++ is present here) gives the eager for
 and gradients (fp32; measured here: loss identical, max grad diff ~1e-7, asserted <= 1e-5), and a
 few training steps with ``train.compile: true`` log the losses of the eager run (trainer wiring).
 
-In fp32 the MoE experts run eager (``torch._grouped_mm`` has a bf16-only meta function in this torch:
-``grouped_mm_traceable``); everything else of the block is compiled."""
+Every block is one graph (``fullgraph=True``), fp32 experts included (``torch._grouped_mm``'s meta
+function is bf16-only in this torch: ``grouped_mm_traceable``; under compile the experts call it
+through ``conceptmoe::grouped_mm``). The whole forward's graph breaks are counted here (Dynamo
+tracing of the whole tiny model: 25-60 s on 2 busy cores); one block's, and recompiles:
+tests/unit/training/test_compile_blocks.py."""
 from __future__ import annotations
 
 import _train_helpers as helpers
@@ -51,8 +54,30 @@ def test_compiled_conceptmoe_forward_backward_equals_eager():
         worst = max(float((got_g[n] - want_g[n]).abs().max()) for n in want_g)
         assert worst <= TOL, worst
 
+# the host reads left between the blocks, each a ``torch.compiler.disable``d function: the token
+# stack's document layout, chunking's concept count M, the concept stack's layout
+HOST_READS = {"attention_mask", "form_concepts", "_chunked", "forward"}
+MAX_BREAKS = 7  # measured (packed rows, fp32): 7 breaks, 8 graphs; on 3353fb1 (bf16, fp32 errored) 43
+
+
+def test_whole_forward_graph_breaks():
+    """``torch._dynamo.explain`` on the whole training forward of packed rows: every graph break is at
+    a host read that shapes what follows (the document layouts, the concept count M; the break
+    splits each enclosing frame), none inside a block."""
+    seg = torch.tensor([[1] * 11 + [2] * 17 + [3] * 12, [1] * 9 + [2] * 21 + [0] * 10])  # 0: padding
+    pos = torch.cat([torch.arange(n) for n in (11, 17, 12, 9, 21)] + [torch.zeros(10, dtype=torch.long)]).view(2, 40)
+    am = (seg > 0).long()
+    ids = torch.randint(1, 2048, (2, 40), generator=torch.Generator().manual_seed(4)) * am
+    model = build_model("tiny_concept").train()
+    ex = torch._dynamo.explain(model)(ids, attention_mask=am, position_ids=pos, segment_ids=seg,
+                                      labels=ids.masked_fill(am == 0, -100))
+    where = [(r.reason.splitlines()[0], r.user_stack[-1].name if r.user_stack else None) for r in ex.break_reasons]
+    assert ex.graph_break_count <= MAX_BREAKS, where
+    assert all("compiler.disable()" in reason and fn in HOST_READS for reason, fn in where), where
+
+
 def test_grouped_mm_traceable_by_dtype():
-    """fp32: the meta function refuses it (experts eager under compile); bf16 traced."""
+    """fp32: torch's meta function refuses it (compiled blocks call ``conceptmoe::grouped_mm``); bf16 traced."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("no torch._grouped_mm")
     assert not compile_mod.grouped_mm_traceable(torch.float32)
