@@ -11,7 +11,8 @@
 R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
 (``prefill.json``, ``decode.json``: written by ``make bench``; ``vs_transformers.json`` and
-``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``). ``--check`` (and
+``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``; ``overhead.json``: written by
+``python -m benchmarks.overhead``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "train-vlm"
 README = ROOT / "README.md"
 BENCH = ROOT / "benchmarks" / "results"
+TESTS = ROOT / "docs" / "results" / "tests"
 RUN_INPUTS = ("vlm", "data_pipelines", "vision_encoders", "configs", "Makefile", "pyproject.toml")
 SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.DOTALL)
 
@@ -142,6 +144,46 @@ def render_vs_transformers(runs: list[dict]) -> str:
             f"{runs[0]['settings']['threads']}; " + "; ".join(sources) + f" ({files}).\n")
 
 
+def render_tests(unit: dict) -> str:
+    """README's unit-tier time, with the machine's load (docs/results/tests/unit.json, scripts/test_timing.py)."""
+    minutes, seconds = divmod(round(unit["wall_s"]), 60)
+    return (f"{unit.get('passed', 0):,} passed in {minutes} min {seconds:02d} s on {unit['cpu_count']} cores, load "
+            f"average {unit['load_before']:.1f} at the start (commit {unit['commit']}, "
+            "`docs/results/tests/unit.json`)")
+
+
+OVERHEAD_MODELS = {"conceptmoe": "ConceptMoE", "moe": "plain MoE twin", "transformers": "transformers Qwen3-MoE"}
+
+
+def render_overhead(run: dict) -> str:
+    """docs/performance.md's host-overhead table (benchmarks/results/overhead.json, benchmarks/overhead.py)."""
+    res = run["results"]
+    lines = ["| model | ops per step | forward | backward | optimizer step | syncs named / unnamed | graph breaks |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key, name in OVERHEAD_MODELS.items():
+        r = res[key]
+        ph = r["ops_by_phase"]
+        gb = r["graph_breaks"]
+        breaks = "n/a" if gb is None else ("does not trace" if gb.get("error") else str(gb["breaks"]))
+        lines.append(f"| {name} | {r['ops']:,} | {ph.get('forward', 0):,} | {ph.get('backward', 0):,} | "
+                     f"{ph.get('optimizer step', 0):,} | {sum(r['named_syncs'].values())} / {len(r['unnamed_syncs'])} | "
+                     f"{breaks} |")
+    lines += ["", "| target | ConceptMoE | plain MoE twin | verdict |", "| --- | ---: | ---: | --- |"]
+    whats = list(dict.fromkeys(t["what"] for t in run["targets"]))
+    for what in whats:
+        cells = {t["model"]: t for t in run["targets"] if t["what"] == what}
+        fmt = lambda t: f"{t['value']:.2f}x" if isinstance(t["value"], float) else str(t["value"])  # noqa: E731
+        verdict = "met" if all(t["met"] for t in cells.values()) else \
+            "missed" if not any(t["met"] for t in cells.values()) else \
+            "met for " + ", ".join(OVERHEAD_MODELS[k] for k, t in cells.items() if t["met"])
+        lines.append(f"| {what} | {fmt(cells['conceptmoe'])} | {fmt(cells['moe'])} | {verdict} |")
+    m, st = run["machine"], run["settings"]
+    return ("\n" + "\n".join(lines) + f"\n\n{run['tokens']} tokens in {run['docs']} packed documents, "
+            f"{run['layers']} layers at width {run['width']['hidden_size']}; {m['cpu']}, {st['dtype']}, torch threads "
+            f"{st['threads']}; commit {m['git']}, load average {m['load_average_1_5_15'][0]:.2f} "
+            "(`benchmarks/results/overhead.json`).\n")
+
+
 def rendered(results_dir: Path = RESULTS) -> dict[str, str]:
     """The demo run's figures (docs/results/train-vlm/)."""
     def load(name):
@@ -156,11 +198,17 @@ def rendered_bench(bench_dir: Path = BENCH) -> dict[str, str]:
         return json.loads((bench_dir / name).read_text(encoding="utf-8"))
 
     vs_hf = [load(name) for name in ("vs_transformers.json", "vs_transformers_8K.json") if (bench_dir / name).exists()]
-    return {"bench": render_bench(load("prefill.json"), load("decode.json")), "vs_transformers": render_vs_transformers(vs_hf)}
+    return {"bench": render_bench(load("prefill.json"), load("decode.json")), "vs_transformers": render_vs_transformers(vs_hf),
+            "overhead": render_overhead(load("overhead.json"))}
+
+
+def rendered_tests(tests_dir: Path = TESTS) -> dict[str, str]:
+    """The unit tier's time (docs/results/tests/unit.json, written by scripts/test_timing.py)."""
+    return {"tests": render_tests(json.loads((tests_dir / "unit.json").read_text(encoding="utf-8")))}
 
 
 def all_figures() -> dict[str, str]:
-    return {**rendered(), **rendered_bench()}
+    return {**rendered(), **rendered_bench(), **rendered_tests()}
 
 
 def pages() -> list[Path]:

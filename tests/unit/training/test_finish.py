@@ -3,6 +3,8 @@ load line names the trained weights it really holds (with their checksum), and a
 earlier run's export aside (hf.previous) with one line instead of replacing it."""
 from __future__ import annotations
 
+import json
+
 import logging
 
 import _train_helpers as helpers
@@ -77,4 +79,7 @@ def test_a_resumed_run_says_so_before_the_init_lines(tmp_path, capsys):
     rows = {line.split("|")[1].strip(): float(line.split("|")[2].split()[0]) for line in lines
             if line.startswith("| ") and " time" in line}
     own, wall = rows["train time, this process (steps 3-3)"], rows["wall time, this process (startup, train, export, eval)"]
-    assert 0 < own <= wall and own < rows["train time, steps 1-3 (incl. before the resume)"], rows
+    assert 0 < own <= wall and own <= rows["train time, steps 1-3 (incl. before the resume)"], rows  # 0.1 s rounding
+    summary = json.loads((tmp_path / "res" / "summary.json").read_text())
+    assert summary["resumed_at_step"] == 2
+    assert 0 < summary["train_time_this_process_s"] < summary["train_time_s"], summary
