@@ -31,6 +31,19 @@ PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal 
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 
+# The concept sequence's length M (chunking.form_concepts): "auto" uses the capacity T (a host bound: no
+# read of the concept count) when the batch came with a host-built document layout (the packing
+# collator's training batches), else reads the longest row's count; "tokens" always T; "exact" always reads.
+CAPACITY = "auto"
+CAPACITIES = ("auto", "tokens", "exact")
+
+
+def concept_capacity(T: int, host_layout: bool) -> int | None:
+    """The ``capacity`` handed to ``form_concepts``: T or None (read M), see ``CAPACITY``."""
+    if CAPACITY not in CAPACITIES:
+        raise ValueError(f"conceptmoe CAPACITY={CAPACITY!r}: use one of {CAPACITIES}")
+    return T if CAPACITY == "tokens" or (CAPACITY == "auto" and host_layout) else None
+
 
 @dataclass
 class BackboneOutput:
@@ -149,7 +162,7 @@ class ConceptMoEModel(nn.Module):
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
             h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
-                              mask, stats, out, state, tok_fill)
+                              mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None))
         out.hidden_BTD = self.norm(h)
         if stats:
             out.lb_loss = torch.stack([s.lb_loss for s in stats]).mean()
@@ -158,13 +171,13 @@ class ConceptMoEModel(nn.Module):
         return out
 
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
-                 stats, out, state, tok_fill):
+                 stats, out, state, tok_fill, capacity=None):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
         b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
         if state is None:  # (generation: no training losses)
             out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
-        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
+        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids, capacity)
         c_in = self.to_concept(con.x_BMD)
         cval = padding(con.valid_BM, con.segment_BM)
         cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)

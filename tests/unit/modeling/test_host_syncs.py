@@ -22,7 +22,7 @@ from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import syncs
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule, ratio_loss
 from vlm.modeling.conceptmoe import PAD_SYNC
-from vlm.modeling.varlen import LAYOUT_SYNC
+from vlm.modeling.varlen import LAYOUT_SYNC, DocLayout
 from vlm.modeling.dechunk import dechunk
 from vlm.modeling.moe import MoEFeedForward, init_moe_weights
 
@@ -222,6 +222,21 @@ def test_training_step_named_syncs(overrides):
 def test_packed_training_step_skips_the_padding_check():
     hr, named = _training_step("tiny_concept", packed=True)
     assert named == Counter({CONCEPT_SYNC: 1, LAYOUT_SYNC: LAYOUTS}) and set(hr.named()) == set(named)
+
+
+def test_packed_training_step_with_a_host_layout_reads_no_concept_count():
+    """The trainer's path: a packed batch with the collator's host-built token layout. Chunking's concept
+    sequence is T slots long (a host bound, conceptmoe.CAPACITY), so M is never read; what is left is the
+    concept stack's layout (built from the device's concept counts; on the CPU also its document runs)."""
+    from test_host_layout import _packed
+    model = dev(build_model("tiny_concept")).train()
+    batch = {k: dev(v) for k, v in _packed().items()}
+    layout = DocLayout.build(_packed()["attention_mask"].bool(), _packed()["segment_ids"])
+    layout.pieces  # as the collator does
+    with HostReads() as hr, syncs.counting() as named:
+        model(**batch, doc_layout=layout).loss.backward()
+    assert named[CONCEPT_SYNC] == 0 and hr.named()[CONCEPT_SYNC] == 0, named
+    assert named == Counter({LAYOUT_SYNC: LAYOUTS // 2}) and hr.unnamed() == [], (named, hr.unnamed())
 
 
 def test_plain_moe_training_step_no_named_syncs():
