@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .configuration_conceptmoe import ConceptMoEConfig
-from . import attention
+from . import attention, varlen
 from .attention import RMSNorm, rope_cos_sin
 from .blocks import TransformerBlock
 from .chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
@@ -162,7 +162,7 @@ class ConceptMoEModel(nn.Module):
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
             h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
-                              mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None))
+                              mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None), doc_layout)
         out.hidden_BTD = self.norm(h)
         if stats:
             out.lb_loss = torch.stack([s.lb_loss for s in stats]).mean()
@@ -171,7 +171,7 @@ class ConceptMoEModel(nn.Module):
         return out
 
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
-                 stats, out, state, tok_fill, capacity=None):
+                 stats, out, state, tok_fill, capacity=None, doc_layout=None):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
         b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
@@ -179,8 +179,14 @@ class ConceptMoEModel(nn.Module):
             out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
         con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids, capacity)
         c_in = self.to_concept(con.x_BMD)
-        cval = padding(con.valid_BM, con.segment_BM)
-        cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
+        cmask = None
+        if capacity is not None and doc_layout is not None:  # from the host's token layout: no device read
+            cval = con.valid_BM
+            cmask = self._concept_layout(mask if isinstance(mask, varlen.DocLayout) else doc_layout, b_BT, c_in)
+        else:
+            cval = padding(con.valid_BM, con.segment_BM)
+        if cmask is None:
+            cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         c = c_in
         cfill = None
@@ -201,6 +207,16 @@ class ConceptMoEModel(nn.Module):
         z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
         return z
+
+    def _concept_layout(self, doc_layout, b_BT, c_in):
+        """The concept stack's `DocLayout` at capacity T from the host's token layout
+        (``varlen.concept_layout``), where the attention kernel needs no length buckets; else None."""
+        if attention.IMPL != "varlen":
+            return None
+        attn = self.concept_model[0].attn
+        if varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim) == "bucketed":
+            return None
+        return varlen.concept_layout(doc_layout, b_BT)
 
 
 def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:

@@ -116,3 +116,35 @@ def test_an_unknown_capacity_mode_is_refused(monkeypatch):
     monkeypatch.setattr(conceptmoe, "CAPACITY", "tight")
     with pytest.raises(ValueError, match="CAPACITY='tight'"):
         conceptmoe.concept_capacity(8, True)
+
+
+@pytest.mark.parametrize("T", [7, 64, 150])
+def test_concept_layout_from_the_host_token_layout_equals_building_it(T):
+    """varlen.concept_layout (token layout + device boundaries, no read): the attention of every real
+    concept and its gradients equal those under DocLayout.build on the concept rows (rows of several
+    documents, padded rows, an empty row, a row full of concepts)."""
+    from vlm.modeling.varlen import TAIL, concept_layout, doc_attention
+    g = torch.Generator().manual_seed(T)
+    B = 4
+    seg, valid = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
+    for r, n in enumerate((T, T - T // 3, 0, T)):
+        seg[r, :n] = 1 + (torch.arange(n) * 3 // max(n, 1))  # three documents
+        valid[r, :n] = True
+    b = (torch.rand(B, T, generator=g) < 0.5) & valid
+    b[3] = True  # every token a concept: no padding slot in that row
+    b |= valid & (seg != torch.nn.functional.pad(seg[:, :-1], (1, 0), value=-1))  # forced
+    tokens = DocLayout.build(valid, seg)
+    layout = concept_layout(tokens, b)
+    assert layout.cu_seq.numel() == tokens.num_docs + B * -(-T // TAIL) + 1
+    cum = b.long().cumsum(1)
+    valid_BM = torch.arange(T)[None] < cum[:, -1:]
+    start = torch.searchsorted(cum, torch.arange(T)[None].expand(B, T).contiguous() + 1).clamp(max=T - 1)
+    ref = DocLayout.build(valid_BM, torch.where(valid_BM, seg.gather(1, start), 0))
+    q, k, v = (torch.randn(B, 4, T, 8, generator=g, requires_grad=True) for _ in range(3))
+    keep = valid_BM[:, :, None, None]
+    w = torch.randn(B, T, 4, 8, generator=g) * keep
+    outs = [doc_attention(q, k, v, lay) for lay in (layout, ref)]
+    torch.testing.assert_close(outs[0] * keep, outs[1] * keep)
+    grads = [torch.autograd.grad((o * w).sum(), (q, k, v)) for o in outs]
+    for a, c in zip(*grads):
+        torch.testing.assert_close(a, c)
