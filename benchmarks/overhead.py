@@ -48,8 +48,12 @@ def packed_batch(T: int, vocab: int, seed: int = 0) -> dict:
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = ids.clone()
     labels[pos == 0] = -100
+    from vlm.modeling.varlen import DocLayout
+
+    layout = DocLayout.build(torch.ones_like(ids, dtype=torch.bool), seg)  # on the host, as the collator does
+    layout.pieces
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "position_ids": pos,
-            "segment_ids": seg, "pixel_values": None, "skipped": {}, "num_samples": DOCS}
+            "segment_ids": seg, "pixel_values": None, "skipped": {}, "num_samples": DOCS, "doc_layout": layout}
 
 
 class OursStep:

@@ -214,9 +214,10 @@ class ConceptMoEModel(nn.Module):
         if attention.IMPL != "varlen":
             return None
         attn = self.concept_model[0].attn
-        if varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim) == "bucketed":
+        kernel = varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim)
+        if kernel == "bucketed":
             return None
-        return varlen.concept_layout(doc_layout, b_BT)
+        return varlen.concept_layout(doc_layout, b_BT, varlen.TAIL if kernel == "flash" else 1)
 
 
 def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:

@@ -150,15 +150,17 @@ class DocLayout:
 TAIL = 64  # concept_layout: a row's padding slots form documents of at most TAIL slots
 
 
-def concept_layout(tokens: DocLayout, b_BT: torch.Tensor) -> DocLayout | None:
+def concept_layout(tokens: DocLayout, b_BT: torch.Tensor, tail: int = TAIL) -> DocLayout | None:
     """The concept stack's layout at capacity T (``chunking.form_concepts(capacity=T)``), from the token
     stack's host-built layout and the device's boundaries, with no device read: each token document
     holds the concepts whose boundary token it holds (a padding token: none), in row order, so document
     d of row r starts at concept slot r * T + (boundaries of row r before d); a row's padding slots
-    (past its concept count) follow as documents of at most ``TAIL`` slots. The number of documents
-    (token documents + B * ceil(T / TAIL), empty ones included) and ``max_len`` (the longest token
-    document bounds its concepts; ``TAIL``) are host numbers; the starts are one sort on the device.
-    Padding slots see other padding slots of their tail block (their outputs are unused).
+    (past its concept count) follow as documents of at most ``tail`` slots. The number of documents
+    (token documents + B * ceil(T / tail), empty ones included) and ``max_len`` (the longest token
+    document bounds its concepts; ``tail``) are host numbers; the starts are one sort on the device.
+    Padding slots see other padding slots of their tail block (their outputs are unused). ``tail``:
+    ``TAIL`` for flash (few empty documents in its grid); 1 for the loop kernel, whose document runs
+    take a row's length-1 documents in one step (each padding slot its own document, as ``build``).
 
     None where it does not apply (the caller builds the layout instead): tokens in another order
     than their rows (interleaved segment ids). No length buckets: flash (CUDA) and loop (CPU) only."""
@@ -171,11 +173,11 @@ def concept_layout(tokens: DocLayout, b_BT: torch.Tensor) -> DocLayout | None:
     row_D = cu_D // T
     start_D = row_D * T + cum_N[cu_D] - cum_N[row_D * T]
     count_B = cum_N[T::T] - cum_N[:-1:T]
-    k_K = torch.arange(0, T, TAIL, device=device)
+    k_K = torch.arange(0, T, tail, device=device)
     tail_BK = torch.arange(B, device=device)[:, None] * T + torch.maximum(count_B[:, None], k_K[None])
     starts = torch.sort(torch.cat([start_D, tail_BK.reshape(-1)])).values
     cu = torch.cat([starts, starts.new_full((1,), N)]).to(torch.int32)
-    return DocLayout(B, T, None, torch.arange(N, device=device), cu, max(tokens.max_len, min(TAIL, T)), None, None)
+    return DocLayout(B, T, None, torch.arange(N, device=device), cu, max(tokens.max_len, min(tail, T)), None, None)
 
 
 def flash_applies(q_BHTD: torch.Tensor) -> bool:

@@ -118,8 +118,9 @@ def test_an_unknown_capacity_mode_is_refused(monkeypatch):
         conceptmoe.concept_capacity(8, True)
 
 
+@pytest.mark.parametrize("tail", [64, 1])
 @pytest.mark.parametrize("T", [7, 64, 150])
-def test_concept_layout_from_the_host_token_layout_equals_building_it(T):
+def test_concept_layout_from_the_host_token_layout_equals_building_it(T, tail):
     """varlen.concept_layout (token layout + device boundaries, no read): the attention of every real
     concept and its gradients equal those under DocLayout.build on the concept rows (rows of several
     documents, padded rows, an empty row, a row full of concepts)."""
@@ -134,8 +135,8 @@ def test_concept_layout_from_the_host_token_layout_equals_building_it(T):
     b[3] = True  # every token a concept: no padding slot in that row
     b |= valid & (seg != torch.nn.functional.pad(seg[:, :-1], (1, 0), value=-1))  # forced
     tokens = DocLayout.build(valid, seg)
-    layout = concept_layout(tokens, b)
-    assert layout.cu_seq.numel() == tokens.num_docs + B * -(-T // TAIL) + 1
+    layout = concept_layout(tokens, b, tail)
+    assert layout.cu_seq.numel() == tokens.num_docs + B * -(-T // tail) + 1 and tail in (TAIL, 1)
     cum = b.long().cumsum(1)
     valid_BM = torch.arange(T)[None] < cum[:, -1:]
     start = torch.searchsorted(cum, torch.arange(T)[None].expand(B, T).contiguous() + 1).clamp(max=T - 1)
