@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, left_padded
+from test_host_layout import _packed
 
 from vlm.modeling import conceptmoe, syncs
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule
 from vlm.modeling.varlen import DocLayout
-
-from conftest import build_model, left_padded
-from test_host_layout import _packed
 
 CASES = {"last": {}, "sum-looped-dc96": {"concept_merge": "sum", "concept_loop_layers": [0],
                                          "concept_loop_times": 2, "concept_hidden_size": 96}}
@@ -51,7 +50,7 @@ def test_packed_batch_with_host_layout_reads_no_concept_count(overrides):
     model = build_model(**overrides).train()
     batch = _packed()
     layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
-    layout.pieces
+    _ = layout.pieces  # as the collator does
     ref = _step(model, {**batch, "doc_layout": layout}, "exact")
     got = _step(model, {**batch, "doc_layout": layout}, "auto")
     assert ref[2][CONCEPT_SYNC] == 1 and got[2][CONCEPT_SYNC] == 0, (ref[2], got[2])
