@@ -332,3 +332,24 @@ def test_cuda_training_step_forward_syncs_not_in_owned_code():
         where = _sync_warnings(step)
     assert named == Counter({CONCEPT_SYNC: 1, PAD_SYNC: 2, LAYOUT_SYNC: 2})
     assert [w for w in where if any(f in w for f in OURS)] == [], where
+
+
+@cuda_only
+def test_cuda_packed_step_with_a_host_layout_forward_syncs_nowhere_in_owned_code():
+    """The trainer's path on CUDA in bf16 (flash varlen for both stacks): no named sync at all (the concept
+    count is not read, the concept layout is built on the device with a host max_len), and no forward
+    warning of ``set_sync_debug_mode("warn")`` points into the model's code."""
+    from test_host_layout import _packed
+    model = dev(build_model("tiny_concept")).to(torch.bfloat16).train()
+    host = _packed(T=96)
+    layout = DocLayout.build(host["attention_mask"].bool(), host["segment_ids"])
+    batch = {k: dev(v) for k, v in host.items()}
+
+    def step():
+        model(**batch, doc_layout=layout).loss.backward()
+    step()
+    with syncs.counting() as named:
+        where = _sync_warnings(step)
+    assert named == Counter()
+    owned = OURS + ("vlm/modeling/varlen.py", "vlm/modeling/conceptmoe.py", "vlm/modeling/attention.py")
+    assert [w for w in where if any(f in w for f in owned)] == [], where
