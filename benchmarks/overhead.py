@@ -48,8 +48,12 @@ def packed_batch(T: int, vocab: int, seed: int = 0) -> dict:
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = ids.clone()
     labels[pos == 0] = -100
+    from vlm.modeling.varlen import DocLayout
+
+    layout = DocLayout.build(torch.ones_like(ids, dtype=torch.bool), seg)  # on the host, as the collator does
+    _ = layout.pieces  # the CPU loop kernel's document runs, as the collator computes them
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "position_ids": pos,
-            "segment_ids": seg, "pixel_values": None, "skipped": {}, "num_samples": DOCS}
+            "segment_ids": seg, "pixel_values": None, "skipped": {}, "num_samples": DOCS, "doc_layout": layout}
 
 
 class OursStep:
@@ -210,6 +214,8 @@ def run(argv=None) -> dict:
     log = logger(s)
     T = s.sizes[0]
     tmp = Path(tempfile.mkdtemp(prefix="overhead_"))
+    from vlm.modeling import conceptmoe
+    capacity, conceptmoe.CAPACITY = conceptmoe.CAPACITY, "tokens"  # the GPU's path ("auto" there): no read of M
     layers = SMOKE_LAYERS if s.smoke else {}
     steps = {name: OursStep(name == "conceptmoe", T, s.threads, tmp, s.device, s.dtype, layers)
              for name in ("conceptmoe", "moe")}
@@ -230,6 +236,7 @@ def run(argv=None) -> dict:
         results[name]["host_time_s"] = timing.stats(name)
     for name in ("conceptmoe", "moe"):
         steps[name].close()
+    conceptmoe.CAPACITY = capacity
     depth = steps["transformers"].model.config.num_hidden_layers
     hf_ops = results["transformers"]["ops"]
     targets = []
@@ -273,7 +280,8 @@ def run(argv=None) -> dict:
               f"{WIDTH['hidden_size']}: the step is "
               f"host work; ops = kernel-launching ATen ops (views and allocations excluded), counted in the "
               f"second step (the first builds lazy state)\n- ours through the real Trainer (DeepSpeed ZeRO-2 engine, "
-              f"callbacks); transformers' Qwen3-MoE with foreach AdamW + clipping\n" + verdicts + "\n" + table +
+              f"callbacks), on the GPU's path (the collator's host layout, concept capacity T); transformers' "
+              f"Qwen3-MoE with foreach AdamW + clipping\n" + verdicts + "\n" + table +
               "\n\nOps by phase and component (the innermost known source file of each op; 'autograd': "
               "backward ops of built-in functions):\n\n" + ctable + "\n\nSyncs:\n\n" + syncs +
               ("\nGraph breaks of the forward (torch._dynamo.explain), first reasons:\n\n" + breaks if breaks else ""))

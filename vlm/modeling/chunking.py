@@ -237,16 +237,26 @@ class ChunkModule(nn.Module):
         return loss
 
     # concepts -----------------------------------------------------------------------------------
-    def form_concepts(self, h_BTD, b_BT, p_BT, valid_BT, segment_BT) -> Concepts:
-        """The concept sequence; one host sync (the length M), no boolean indexing. Concept m of a
-        row starts at its (m+1)-th boundary, found by ``searchsorted`` on the running boundary count
-        and read with ``gather``; "sum" adds the tokens into their slots (``index_put`` accumulate,
-        non-member tokens add zeros). ``form_concepts_reference`` is the plain version."""
+    def form_concepts(self, h_BTD, b_BT, p_BT, valid_BT, segment_BT, capacity: int | None = None) -> Concepts:
+        """The concept sequence, no boolean indexing. Concept m of a row starts at its (m+1)-th
+        boundary, found by ``searchsorted`` on the running boundary count and read with ``gather``;
+        "sum" adds the tokens into their slots (``index_put`` accumulate, non-member tokens add zeros).
+        ``form_concepts_reference`` is the plain version.
+
+        Its length M: None reads the longest row's count (one named host sync); ``capacity`` (a host
+        int >= T) is used as M with no device read: a concept starts at a real token, so no row has
+        more than T and none is dropped; slots past a row's count are padding (``valid_BM`` False,
+        zeros, p = 0). A tighter capacity would need an exact overflow path (docs/model.md)."""
         B, T, D = h_BTD.shape
         cum_BT = b_BT.long().cumsum(1)
         index_BT = torch.where(valid_BT, cum_BT - 1, -1)
         count_B = cum_BT[:, -1]
-        M = concept_len(count_B)
+        if capacity is not None:
+            if capacity < T:
+                raise ValueError(f"concept capacity {capacity} < {T} tokens per row could drop concepts")
+            M = max(capacity, 1)
+        else:
+            M = concept_len(count_B)
         arange_M = torch.arange(M, device=h_BTD.device)[None].expand(B, M)
         valid_BM = arange_M < count_B[:, None]
         start_BM = torch.searchsorted(cum_BT, arange_M + 1).clamp(max=T - 1)  # boundary token of m

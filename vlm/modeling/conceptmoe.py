@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .configuration_conceptmoe import ConceptMoEConfig
-from . import attention
+from . import attention, varlen
 from .attention import RMSNorm, rope_cos_sin
 from .blocks import TransformerBlock
 from .chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
@@ -30,6 +30,22 @@ PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal 
 
 
 CHECKPOINT_MODES = ("none", "selective", "full")
+
+# The concept sequence's length M (chunking.form_concepts): "auto" uses the capacity T (a host bound: no
+# read of the concept count, static shapes; the concept layers run on T slots, padding included) on a GPU
+# when the batch came with a host-built document layout (the packing collator's training batches), else
+# reads the longest row's count (on the CPU that read waits for nothing, and M < T slots cost less);
+# "tokens" always T; "exact" always reads.
+CAPACITY = "auto"
+CAPACITIES = ("auto", "tokens", "exact")
+
+
+def concept_capacity(T: int, host_layout: bool, device: torch.device) -> int | None:
+    """The ``capacity`` handed to ``form_concepts``: T or None (read M), see ``CAPACITY``."""
+    if CAPACITY not in CAPACITIES:
+        raise ValueError(f"conceptmoe CAPACITY={CAPACITY!r}: use one of {CAPACITIES}")
+    auto = CAPACITY == "auto" and host_layout and device.type != "cpu"
+    return T if CAPACITY == "tokens" or auto else None
 
 
 @dataclass
@@ -149,7 +165,7 @@ class ConceptMoEModel(nn.Module):
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
             h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
-                              mask, stats, out, state, tok_fill)
+                              mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None, x.device), doc_layout)
         out.hidden_BTD = self.norm(h)
         if stats:
             out.lb_loss = torch.stack([s.lb_loss for s in stats]).mean()
@@ -158,16 +174,22 @@ class ConceptMoEModel(nn.Module):
         return out
 
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
-                 stats, out, state, tok_fill):
+                 stats, out, state, tok_fill, capacity=None, doc_layout=None):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
         b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
         if state is None:  # (generation: no training losses)
             out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
-        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids)
+        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids, capacity)
         c_in = self.to_concept(con.x_BMD)
-        cval = padding(con.valid_BM, con.segment_BM)
-        cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
+        cmask = None
+        if capacity is not None and doc_layout is not None:  # from the host's token layout: no device read
+            cval = con.valid_BM
+            cmask = self._concept_layout(mask if isinstance(mask, varlen.DocLayout) else doc_layout, b_BT, c_in)
+        else:
+            cval = padding(con.valid_BM, con.segment_BM)
+        if cmask is None:
+            cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         c = c_in
         cfill = None
@@ -188,6 +210,17 @@ class ConceptMoEModel(nn.Module):
         z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
         return z
+
+    def _concept_layout(self, doc_layout, b_BT, c_in):
+        """The concept stack's `DocLayout` at capacity T from the host's token layout
+        (``varlen.concept_layout``), where the attention kernel needs no length buckets; else None."""
+        if attention.IMPL != "varlen":
+            return None
+        attn = self.concept_model[0].attn
+        kernel = varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim)
+        if kernel == "bucketed":
+            return None
+        return varlen.concept_layout(doc_layout, b_BT, varlen.TAIL if kernel == "flash" else 1)
 
 
 def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:

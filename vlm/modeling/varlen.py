@@ -58,7 +58,7 @@ class DocLayout:
     inv_N: torch.Tensor  # slot in document order of each flat token
     cu_seq: torch.Tensor  # [num_docs + 1] int32 cumulative document lengths (document order)
     max_len: int
-    buckets: list  # (n, L, flat_K): flat token of each of the n x L slots of a bucket (K = n * L)
+    buckets: list | None  # (n, L, flat_K): flat token of each of the n x L slots of a bucket (K = n * L); None: not built
     src_N: torch.Tensor | None  # token t's output = cat(bucket outputs, flattened)[src_N[t]] (None: identity)
 
     @property
@@ -79,8 +79,9 @@ class DocLayout:
             if non_blocking and device.type == "cuda" and t.device.type == "cpu":
                 t = t.pin_memory()
             return t.to(device, non_blocking=non_blocking)
+        buckets = None if self.buckets is None else [(n, L, move(flat)) for n, L, flat in self.buckets]
         out = DocLayout(self.B, self.T, move(self.perm_N), move(self.inv_N), move(self.cu_seq), self.max_len,
-                        [(n, L, move(flat)) for n, L, flat in self.buckets], move(self.src_N))
+                        buckets, move(self.src_N))
         if "pieces" in self.__dict__ or self.cu_seq.device.type == "cpu":
             out.__dict__["pieces"] = self.pieces  # computed on the host, where cu_seq is
         return out
@@ -92,6 +93,8 @@ class DocLayout:
         with host_sync(LAYOUT_SYNC):  # CPU only (the loop kernel): nothing waits there
             cu = self.cu_seq.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
+            if b == a:  # an empty document (concept_layout)
+                continue
             if b - a == 1 and out and out[-1][2] and (a - 1) // self.T == a // self.T:
                 out[-1] = (out[-1][0], out[-1][1] + 1, True)  # runs stay inside one row
             else:
@@ -149,10 +152,49 @@ class DocLayout:
         return cls(B, T, perm, inv, cu.to(torch.int32), int(len_D.max()), buckets, src)
 
 
+TAIL = 64  # concept_layout: a row's padding slots form documents of at most TAIL slots
+
+
+def concept_layout(tokens: DocLayout, b_BT: torch.Tensor, tail: int = TAIL) -> DocLayout | None:
+    """The concept stack's layout at capacity T (``chunking.form_concepts(capacity=T)``), from the token
+    stack's host-built layout and the device's boundaries, with no device read: each token document
+    holds the concepts whose boundary token it holds (a padding token: none), in row order, so document
+    d of row r starts at concept slot r * T + (boundaries of row r before d); a row's padding slots
+    (past its concept count) follow as documents of at most ``tail`` slots. The number of documents
+    (token documents + B * ceil(T / tail), empty ones included) and ``max_len`` (the longest token
+    document bounds its concepts; ``tail``) are host numbers; the starts are one sort on the device.
+    Padding slots see other padding slots of their tail block (their outputs are unused). ``tail``:
+    ``TAIL`` for flash (few empty documents in its grid); 1 for the loop kernel, whose document runs
+    take a row's length-1 documents in one step (each padding slot its own document, as ``build``).
+
+    None where it does not apply (the caller builds the layout instead): tokens in another order
+    than their rows (interleaved segment ids). No length buckets: flash (CUDA) and loop (CPU) only."""
+    if tokens.perm_N is not None:
+        return None
+    B, T = tokens.B, tokens.T
+    N, device = B * T, b_BT.device
+    cu_D = tokens.cu_seq.to(device, non_blocking=True).long()[:-1]  # token document starts (flat)
+    cum_N = F.pad(b_BT.reshape(N).long().cumsum(0), (1, 0))  # boundaries before each flat token
+    row_D = cu_D // T
+    start_D = row_D * T + cum_N[cu_D] - cum_N[row_D * T]
+    count_B = cum_N[T::T] - cum_N[:-1:T]
+    k_K = torch.arange(0, T, tail, device=device)
+    tail_BK = torch.arange(B, device=device)[:, None] * T + torch.maximum(count_B[:, None], k_K[None])
+    starts = torch.sort(torch.cat([start_D, tail_BK.reshape(-1)])).values
+    cu = torch.cat([starts, starts.new_full((1,), N)]).to(torch.int32)
+    return DocLayout(B, T, None, torch.arange(N, device=device), cu, max(tokens.max_len, min(tail, T)), None, None)
+
+
 def flash_applies(q_BHTD: torch.Tensor) -> bool:
-    D = q_BHTD.shape[-1]
-    return (KERNEL == "auto" and q_BHTD.is_cuda and varlen_api() is not None and q_BHTD.dtype in (torch.float16, torch.bfloat16)
-            and D % 8 == 0 and D <= 256)
+    return kernel_for(q_BHTD.device, q_BHTD.dtype, q_BHTD.shape[-1]) == "flash"
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel ``doc_attention`` runs for queries of this device, dtype and head size."""
+    if (KERNEL == "auto" and device.type == "cuda" and varlen_api() is not None
+            and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256):
+        return "flash"
+    return "loop" if KERNEL == "loop" or (KERNEL == "auto" and device.type != "cuda") else "bucketed"
 
 
 def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
@@ -214,6 +256,8 @@ def _loop(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
 
 def _bucketed(q_BHTD, k_BHTD, v_BHTD, layout: DocLayout) -> torch.Tensor:
     B, H, T, D = q_BHTD.shape
+    if layout.buckets is None:
+        raise ValueError("this DocLayout has no length buckets (concept_layout): use DocLayout.build for 'bucketed'")
     # one contiguous copy per tensor, then 1-D row gathers (index_select: fast, and a cheap backward)
     q_NF, k_NF, v_NF = (_flat(x) for x in (q_BHTD, k_BHTD, v_BHTD))
     outs = []

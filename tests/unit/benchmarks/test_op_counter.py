@@ -54,3 +54,7 @@ def test_packed_batch_holds_docs_documents_with_restarting_positions():
     starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist()
     assert len(starts) == DOCS and starts[0] == 0
     assert (b["labels"][0, starts] == -100).all() and (b["labels"][0] != -100).sum() == 512 - DOCS
+    # the collator's host-built token layout travels with it (the trainer hands it to the model)
+    layout = b["doc_layout"]
+    assert (layout.B, layout.T, layout.num_docs, layout.max_len) == (1, 512, DOCS, int(b["position_ids"].max()) + 1)
+    assert "pieces" in layout.__dict__

@@ -22,7 +22,7 @@ from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import syncs
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule, ratio_loss
 from vlm.modeling.conceptmoe import PAD_SYNC
-from vlm.modeling.varlen import LAYOUT_SYNC
+from vlm.modeling.varlen import LAYOUT_SYNC, DocLayout
 from vlm.modeling.dechunk import dechunk
 from vlm.modeling.moe import MoEFeedForward, init_moe_weights
 
@@ -224,6 +224,27 @@ def test_packed_training_step_skips_the_padding_check():
     assert named == Counter({CONCEPT_SYNC: 1, LAYOUT_SYNC: LAYOUTS}) and set(hr.named()) == set(named)
 
 
+def test_packed_training_step_with_a_host_layout_reads_no_concept_count(monkeypatch):
+    """The trainer's path on a GPU: a packed batch with the collator's host-built token layout. Chunking's
+    concept sequence is T slots long (a host bound, conceptmoe.CAPACITY "auto" on a GPU, "tokens" here so
+    the CPU runs the same path), so M is never read, and the concept
+    stack's layout comes from the token layout and the boundaries on the device (varlen.concept_layout).
+    What is left runs on the CPU only: the loop kernel's document runs of the concept layout (a read of a
+    CPU tensor, named LAYOUT_SYNC; the flash kernel on CUDA reads nothing)."""
+    from test_host_layout import _packed
+    from vlm.modeling import conceptmoe
+    monkeypatch.setattr(conceptmoe, "CAPACITY", "tokens")
+    model = dev(build_model("tiny_concept")).train()
+    batch = {k: dev(v) for k, v in _packed().items()}
+    layout = DocLayout.build(_packed()["attention_mask"].bool(), _packed()["segment_ids"])
+    _ = layout.pieces  # as the collator does
+    with HostReads() as hr, syncs.counting() as named:
+        model(**batch, doc_layout=layout).loss.backward()
+    assert named[CONCEPT_SYNC] == 0 and hr.named()[CONCEPT_SYNC] == 0, named
+    cpu_only = Counter({LAYOUT_SYNC: 1}) if torch.device(DEVICE).type == "cpu" else Counter()
+    assert named == cpu_only and hr.unnamed() == [], (named, hr.unnamed())
+
+
 def test_plain_moe_training_step_no_named_syncs():
     hr, named = _training_step("tiny")
     assert named == Counter({PAD_SYNC: 1, LAYOUT_SYNC: LAYOUTS // 2}) and hr.unnamed(OURS) == []
@@ -314,3 +335,24 @@ def test_cuda_training_step_forward_syncs_not_in_owned_code():
         where = _sync_warnings(step)
     assert named == Counter({CONCEPT_SYNC: 1, PAD_SYNC: 2, LAYOUT_SYNC: 2})
     assert [w for w in where if any(f in w for f in OURS)] == [], where
+
+
+@cuda_only
+def test_cuda_packed_step_with_a_host_layout_forward_syncs_nowhere_in_owned_code():
+    """The trainer's path on CUDA in bf16 (flash varlen for both stacks): no named sync at all (the concept
+    count is not read, the concept layout is built on the device with a host max_len), and no forward
+    warning of ``set_sync_debug_mode("warn")`` points into the model's code."""
+    from test_host_layout import _packed
+    model = dev(build_model("tiny_concept")).to(torch.bfloat16).train()
+    host = _packed(T=96)
+    layout = DocLayout.build(host["attention_mask"].bool(), host["segment_ids"])
+    batch = {k: dev(v) for k, v in host.items()}
+
+    def step():
+        model(**batch, doc_layout=layout).loss.backward()
+    step()
+    with syncs.counting() as named:
+        where = _sync_warnings(step)
+    assert named == Counter()
+    owned = OURS + ("vlm/modeling/varlen.py", "vlm/modeling/conceptmoe.py", "vlm/modeling/attention.py")
+    assert [w for w in where if any(f in w for f in owned)] == [], where
