@@ -123,7 +123,7 @@ def test_a_capacity_below_the_tokens_is_refused():
 def test_an_unknown_capacity_mode_is_refused(monkeypatch):
     monkeypatch.setattr(conceptmoe, "CAPACITY", "tight")
     with pytest.raises(ValueError, match="CAPACITY='tight'"):
-        conceptmoe.concept_capacity(8, True)
+        conceptmoe.concept_capacity(8, True, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tail", [64, 1])
