@@ -61,14 +61,14 @@ def _quiet_imports() -> None:
 
 
 def preflight(args: argparse.Namespace):
-    """What is checked before the Trainer (DeepSpeed, the model, the process group): the config and its
-    overrides, the model config of a preset (with its tokenizer; a pretrained folder's is read by the
-    trainer), the data files (present, not all empty), the ``--resume`` path. Returns the config;
+    """What is checked before the Trainer (DeepSpeed, the model, the process group), cheapest first:
+    the config and its overrides, the data files (present, not all empty) and the ``--resume`` path
+    without torch or transformers loaded; then the model config of a preset (with its tokenizer; a
+    pretrained folder's is read by the trainer), which needs transformers. Returns the config;
     raises ``ConfigError`` / ``FileNotFoundError`` (one line each)."""
     from vlm.config.train import load_train_config
     from vlm.modeling.config_base import ConfigError
-    from vlm.training.build import build_model_config, load_tokenizer
-    from vlm.training.checkpoint import resolve_resume
+    from vlm.training.checkpoint_paths import resolve_resume
     from vlm.training.data import check_data_paths
 
     cfg = load_train_config(args.config, args.overrides)
@@ -77,10 +77,12 @@ def preflight(args: argparse.Namespace):
     if os.environ.get(FAULT_ENV):
         raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
                           "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
-    if cfg.model.preset is not None and not cfg.model.llm:
-        build_model_config(cfg, load_tokenizer(cfg.model.tokenizer))
     check_data_paths(cfg)
     resolve_resume(args.resume, cfg.ckpt_dir)
+    if cfg.model.preset is not None and not cfg.model.llm:
+        from vlm.training.build import build_model_config, load_tokenizer
+
+        build_model_config(cfg, load_tokenizer(cfg.model.tokenizer))
     return cfg
 
 
@@ -229,8 +231,9 @@ def _release_process_groups() -> None:
     without an active exception")."""
     import gc
 
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is None:  # stopped before torch was loaded (bad input): no process group to release
+        return
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -132,3 +132,60 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     assert capsys.readouterr().err.splitlines() == [
         f"interrupted at step 3; newest checkpoint {ckpt}: rerun with --resume auto"]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# ---------------------------------------------------------------- bad input before torch: a fresh interpreter
+
+HEAVY = {"torch", "transformers", "deepspeed"}  # what a bad argument or --help must not wait for
+
+
+def _light_cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
+    """name -> (arguments after ``python -m vlm.train``, exit code, the line expected: stderr's only line, or
+    for --help the first line of stdout)."""
+    default = "configs/train/default.yaml"
+    (tmp / "empty.txt").write_text("\n")
+    gone = tmp / "runs" / "does-not-exist" / "ckpt" / "step_000100"
+    return {
+        "help": (["--help"], 0, "usage: python -m vlm.train [-h] --config CONFIG [--resume RESUME]"),
+        "bad override": (["--config", default, "train.lr=abc"], 2,
+                         "error: config error: train.lr: input should be a valid number, got 'abc'"),
+        "unknown key": (["--config", default, "train.lrr=1"], 2,
+                        "error: config error: train.lrr: unknown config key (known here: activation_checkpointing, betas, "
+                        "compile, eps, freeze, grad_accum, grad_clip, lora, lr, lr_mult, max_nonfinite_in_row, "
+                        "max_steps, micro_batch_size, min_lr_ratio, stage, stop_at_step, warmup_steps, weight_decay)"),
+        "config file missing": (["--config", str(tmp / "nope.yaml")], 2,
+                                f"error: config error: file not found: {tmp / 'nope.yaml'}"),
+        "resume path missing": (["--config", default, "--resume", str(gone)], 2,
+                                f"error: --resume {gone}: folder does not exist"),
+        "data file missing": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'nope.txt'}}}]"], 2,
+                              f"error: config error: data.datasets[0].path: file not found: {tmp / 'nope.txt'}"),
+        "every dataset empty": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'empty.txt'}}}]"],
+                                2, "error: config error: data: no records to draw from: every dataset with a weight "
+                                f"above 0 is an empty file (data.datasets[0].path {tmp / 'empty.txt'})"),
+    }
+
+
+@pytest.mark.integration  # a fresh interpreter: what `python -m vlm.train` imports is only seen there
+@pytest.mark.parametrize("case", ["help", "bad override", "unknown key", "config file missing",
+                                  "resume path missing", "data file missing", "every dataset empty"])
+def test_bad_input_and_help_come_before_torch(case, tmp_path):
+    """``python -m vlm.train`` with bad input or ``--help``: the one line and its exit code, and neither
+    torch, transformers nor DeepSpeed imported on the way (``-X importtime`` lists every import, also
+    those at exit). Issue 33: every argument error waited 14-36 s for them."""
+    import os
+    import subprocess
+
+    argv, code, line = _light_cases(tmp_path)[case]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLM_TRAIN_FAULT")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "vlm.train", *argv], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    timing = [ln for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
+    err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    imported = {ln.rsplit("|", 1)[-1].strip().split(".")[0] for ln in timing[1:]}  # [0] is the header
+    assert "vlm" in imported and "argparse" in imported, timing[:5]  # the listing is there
+    assert proc.returncode == code, proc.stderr[-3000:]
+    if case == "help":
+        assert err == [] and proc.stdout.splitlines()[0] == line, proc.stdout
+    else:
+        assert err == [line]
+    assert imported & HEAVY == set()
