@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from vlm.modeling.safe_loading import read_json
-from vlm.training.checkpoint_paths import (LATEST, STEP_RE, TRAINER_STATE, find_checkpoint, is_complete,  # noqa: F401
-                                          list_checkpoints, rank_file, resolve_resume, step_dir_name)
+from vlm.training.checkpoint_paths import (LATEST, STEP_RE, TRAINER_STATE, _step_of, find_checkpoint,  # noqa: F401
+                                          is_complete, list_checkpoints, rank_file, resolve_resume, step_dir_name)
 
 FORMAT_VERSION = 1
 
