@@ -189,3 +189,58 @@ def test_bad_input_and_help_come_before_torch(case, tmp_path):
     else:
         assert err == [line]
     assert imported & HEAVY == set()
+
+
+# what preflight imports before the model config (the modules; their functions' own imports are not followed)
+PREFLIGHT_MODULES = ("vlm.train", "vlm.config.train", "vlm.modeling.config_base", "vlm.modeling.safe_loading",
+                     "vlm.training.checkpoint_paths", "vlm.training.data")
+
+
+def module_level_imports(names, root: Path = REPO_ROOT) -> tuple[set[str], set[str]]:
+    """(our modules, other top-level packages) that importing ``names`` runs: import statements outside
+    functions and ``if TYPE_CHECKING:`` blocks, followed through our modules and their parent packages."""
+    import ast
+
+    from scripts.import_graph import modules
+
+    mods = modules(root)
+    ours, others, todo = set(), set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in ours or name not in mods:
+            continue
+        ours.add(name)
+        todo += [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]  # parent packages
+        body, is_pkg = list(ast.parse(mods[name].read_text()).body), mods[name].name == "__init__.py"
+        while body:
+            node = body.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                body += node.orelse
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef)):
+                body += [n for field in ("body", "orelse", "finalbody", "handlers") for n in getattr(node, field, [])]
+            elif isinstance(node, ast.ExceptHandler):
+                body += node.body
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative, as Python resolves it
+                    anchor = name.split(".")[: name.count(".") + 1 - node.level + (1 if is_pkg else 0)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in targets:
+                    (todo.append(target) if target.split(".")[0] in ("vlm", "data_pipelines", "vision_encoders",
+                                                                      "eval_suites") else others.add(target.split(".")[0]))
+    return ours, others
+
+
+def test_what_bad_input_is_checked_with_imports_nothing_heavy():
+    """The unit-tier twin of the test above, read from the source: the modules ``preflight`` uses before the
+    model config (and every module and package ``__init__`` they import at module level) import neither
+    torch, transformers nor DeepSpeed; and the walk does see a heavy import where there is one."""
+    ours, others = module_level_imports(PREFLIGHT_MODULES)
+    assert {"vlm", "vlm.training", "vlm.modeling", "vlm.config.train"} <= ours  # the parents are walked
+    assert {"yaml", "pydantic"} <= others
+    assert others & HEAVY == set(), sorted(ours)
+    assert "torch" in module_level_imports(["vlm.training.checkpoint"])[1]
