@@ -89,6 +89,13 @@ def preflight(args: argparse.Namespace):
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: under torchrun every rank writes to the same pipe, and print's
+    separate write of the newline lets two ranks' lines run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class Interrupts:
     """Ctrl-C (or torchrun passing its SIGINT on) while ``main`` runs: the first raises KeyboardInterrupt,
     which ``main`` turns into one line; one arriving once an error is being reported (``exiting``) is
@@ -132,7 +139,7 @@ class Interrupts:
         newest = find_checkpoint(cfg.ckpt_dir)
         hint = (f"newest checkpoint {newest}: rerun with --resume auto" if newest is not None
                 else f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again")
-        print(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}", file=sys.stderr, flush=True)
+        say(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}")
         return INTERRUPTED
 
 
@@ -147,7 +154,7 @@ def main(argv=None, extra_callbacks=()) -> int:
     try:
         cfg = preflight(args)
     except (ConfigError, FileNotFoundError, NotJSONError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        say(f"error: {err}")
         return 2
     with Interrupts() as interrupts:
         return _run(args, cfg, extra_callbacks, interrupts)
@@ -167,7 +174,7 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             trainer = Trainer(cfg, resume=args.resume, callbacks=[*extra_callbacks, *default_callbacks()])
         except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             return 2
         from data_pipelines.mixture import TooMuchBadData
         from vlm.training.distributed import collective_failure
@@ -178,16 +185,16 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             code = 0
         except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             code = 2
         except NonFiniteAbort as err:
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             code = 3
         except CheckpointWriteError as err:
             interrupts.exiting = True
             if trainer.is_main:  # every rank holds the same message
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                say(f"error: {err}")
             code = 5
         except Exception as err:
             why = collective_failure(err)
@@ -196,10 +203,9 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             interrupts.exiting = True
             if interrupts.received:  # Ctrl-C reached this rank too: the peer left because of it, not a fault
                 _exit_now(interrupts.report(cfg, trainer))
-            print(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
-                  f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
-                  f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
-                  file=sys.stderr, flush=True)
+            say(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
+                f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
+                f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto")
             _exit_now(4)  # the process group is broken: skip interpreter teardown, which could block on it
         trainer.close()
         trainer.engine.destroy()  # DeepSpeed's own teardown: hooks and pending ZeRO-3 work released

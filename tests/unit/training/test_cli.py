@@ -244,3 +244,30 @@ def test_what_bad_input_is_checked_with_imports_nothing_heavy():
     assert {"yaml", "pydantic"} <= others
     assert others & HEAVY == set(), sorted(ours)
     assert "torch" in module_level_imports(["vlm.training.checkpoint"])[1]
+
+
+def test_each_line_is_one_write(tmp_path, monkeypatch):
+    """Under torchrun the ranks share one stderr pipe: a line and its newline go out in one write (print
+    writes the newline apart, and two ranks' interrupt lines ran together as '... --resume autorank 0: ...'
+    in tests/integration/training/test_interrupt.py). The interrupt line of a rank and an error line."""
+    import io
+    import types
+
+    from vlm.train import INTERRUPTED, Interrupts, main
+
+    writes: list[str] = []
+
+    class Stderr(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert Interrupts().report(types.SimpleNamespace(ckpt_dir=tmp_path), None) == INTERRUPTED
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["--config", "configs/train/default.yaml", "train.lr=abc"]) == 2
+    assert writes == [f"rank 1: interrupted before the first step; no checkpoint in {tmp_path} yet: rerun the same "
+                      "command to start again\n",
+                      "error: config error: train.lr: input should be a valid number, got 'abc'\n"]
