@@ -97,10 +97,11 @@ class ConceptMoEVLMEval(lmms):
             raise ValueError(f"conceptmoe_vlm: interface must be simple or chat, got {interface!r}")
         self.is_simple = str(interface).strip().lower() == "simple"
 
-        import vlm  # noqa: F401  (registers the Auto classes)
+        from vlm import register_auto_classes
         from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
         from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
+        register_auto_classes()
         ignored = {k: v for k, v in kwargs.items() if k not in ("max_batch_size",) and v is not None}
         if ignored:
             warnings.warn(f"conceptmoe_vlm: ignoring unsupported model_args {sorted(ignored)}", stacklevel=2)

@@ -21,10 +21,11 @@ def load_language_model(checkpoint: str, dtype: str = "float32", device: str = "
     """(language model in eval mode, its text config) from an HF export folder."""
     import torch
 
-    import vlm  # noqa: F401  (registers the Auto classes)
+    from vlm import register_auto_classes
     from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
     from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
 
+    register_auto_classes()
     with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
         model_type = json.load(f).get("model_type")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

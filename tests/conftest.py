@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import vlm  # noqa: E402, F401  (registers the Auto classes)
+from vlm import register_auto_classes  # noqa: E402
 from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig  # noqa: E402
 from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM  # noqa: E402
 
 PRESETS = ROOT / "configs" / "model"
+register_auto_classes()  # `import vlm` alone does not: it stays light for the command lines
 
 # The test models are tiny: intra-op threads only add synchronisation, and on a busy CPU OpenMP
 # spin-waiting makes the model tests 10-40x slower. One thread keeps them fast and deterministic.

@@ -1,9 +1,16 @@
 """ConceptMoE-VL: vision-language models on a ConceptMoE backbone.
 
-``import vlm`` registers the model, config, processor and image processor classes with the
-transformers Auto classes.
+``import vlm`` is light (no torch, no transformers), so that ``python -m vlm.train --help`` and its
+argument errors do not wait for them. The public classes load on first use (``from vlm import
+ConceptMoEConfig``, ``vlm.ConceptMoEVLMProcessor``), and that first use registers the model, config,
+processor and image processor classes with the transformers Auto classes; code that goes only through
+the Auto classes calls ``vlm.register_auto_classes()`` first.
 """
+from __future__ import annotations
+
+import importlib
 import logging
+from typing import TYPE_CHECKING
 
 
 class _DropDeepSpeedCpuNotice(logging.Filter):
@@ -24,14 +31,49 @@ _DS_LOGGER = logging.getLogger("DeepSpeed")
 if not any(isinstance(f, _DropDeepSpeedCpuNotice) for f in _DS_LOGGER.filters):
     _DS_LOGGER.addFilter(_DropDeepSpeedCpuNotice())
 
-from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig  # noqa: E402
-from vlm.modeling.config_base import ConfigError  # noqa: E402
-from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEOutput  # noqa: E402
-from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch  # noqa: E402
-from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig  # noqa: E402
-from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor  # noqa: E402
+if TYPE_CHECKING:  # what the lazy names below resolve to, for readers and type checkers
+    from vlm.modeling.config_base import ConfigError
+    from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
+    from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
+    from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, ConceptMoEOutput
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration, ImageTokenMismatch
+    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
-__all__ = ["ConceptMoEConfig", "ConfigError", "ConceptMoEForCausalLM", "ConceptMoEOutput",
+# public name -> its module in the model package
+_PUBLIC = {"ConceptMoEConfig": "configuration_conceptmoe", "ConfigError": "config_base",
+           "ConceptMoEForCausalLM": "modeling_conceptmoe", "ConceptMoEOutput": "modeling_conceptmoe",
+           "ConceptMoEVLMForConditionalGeneration": "modeling_conceptmoe_vl",
+           "ImageTokenMismatch": "modeling_conceptmoe_vl", "ConceptMoEVLMConfig": "configuration_conceptmoe_vl",
+           "ConceptMoEVLMProcessor": "processing_conceptmoe_vl"}
+# the modules whose import registers our classes with the Auto classes (their last lines)
+_REGISTERING = ("configuration_conceptmoe_vl", "modeling_conceptmoe", "modeling_conceptmoe_vl",
+                "processing_conceptmoe_vl", "image_processing_conceptmoe_vl")
+_LIGHT = {"ConfigError"}  # needs neither torch nor transformers: loads alone
+
+__all__ = ["ConceptMoEConfig", "ConfigError", "ConceptMoEForCausalLM", "ConceptMoEOutput",  # = _PUBLIC's keys
            "ConceptMoEVLMConfig", "ConceptMoEVLMForConditionalGeneration", "ImageTokenMismatch",
-           "ConceptMoEVLMProcessor"]
+           "ConceptMoEVLMProcessor", "register_auto_classes"]
 
+
+def register_auto_classes() -> None:
+    """Register our config, model, processor and image processor with the transformers Auto classes
+    (``AutoConfig``, ``AutoModelForCausalLM``, ``AutoModel``, ``AutoModelForImageTextToText``,
+    ``AutoProcessor``, ``AutoImageProcessor``). Imports torch and transformers; idempotent."""
+    for name in _REGISTERING:
+        importlib.import_module(f"vlm.modeling.{name}")
+
+
+def __getattr__(name: str):
+    """PEP 562: a public class on first use (registering every class first), then a plain attribute."""
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vlm' has no attribute {name!r}")
+    if name not in _LIGHT:
+        register_auto_classes()
+    value = getattr(importlib.import_module(f"vlm.modeling.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

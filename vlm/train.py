@@ -61,14 +61,14 @@ def _quiet_imports() -> None:
 
 
 def preflight(args: argparse.Namespace):
-    """What is checked before the Trainer (DeepSpeed, the model, the process group): the config and its
-    overrides, the model config of a preset (with its tokenizer; a pretrained folder's is read by the
-    trainer), the data files (present, not all empty), the ``--resume`` path. Returns the config;
+    """What is checked before the Trainer (DeepSpeed, the model, the process group), cheapest first:
+    the config and its overrides, the data files (present, not all empty) and the ``--resume`` path
+    without torch or transformers loaded; then the model config of a preset (with its tokenizer; a
+    pretrained folder's is read by the trainer), which needs transformers. Returns the config;
     raises ``ConfigError`` / ``FileNotFoundError`` (one line each)."""
     from vlm.config.train import load_train_config
     from vlm.modeling.config_base import ConfigError
-    from vlm.training.build import build_model_config, load_tokenizer
-    from vlm.training.checkpoint import resolve_resume
+    from vlm.training.checkpoint_paths import resolve_resume
     from vlm.training.data import check_data_paths
 
     cfg = load_train_config(args.config, args.overrides)
@@ -77,14 +77,23 @@ def preflight(args: argparse.Namespace):
     if os.environ.get(FAULT_ENV):
         raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
                           "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
-    if cfg.model.preset is not None and not cfg.model.llm:
-        build_model_config(cfg, load_tokenizer(cfg.model.tokenizer))
     check_data_paths(cfg)
     resolve_resume(args.resume, cfg.ckpt_dir)
+    if cfg.model.preset is not None and not cfg.model.llm:
+        from vlm.training.build import build_model_config, load_tokenizer
+
+        build_model_config(cfg, load_tokenizer(cfg.model.tokenizer))
     return cfg
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: under torchrun every rank writes to the same pipe, and print's
+    separate write of the newline lets two ranks' lines run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class Interrupts:
@@ -130,7 +139,7 @@ class Interrupts:
         newest = find_checkpoint(cfg.ckpt_dir)
         hint = (f"newest checkpoint {newest}: rerun with --resume auto" if newest is not None
                 else f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again")
-        print(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}", file=sys.stderr, flush=True)
+        say(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}")
         return INTERRUPTED
 
 
@@ -145,7 +154,7 @@ def main(argv=None, extra_callbacks=()) -> int:
     try:
         cfg = preflight(args)
     except (ConfigError, FileNotFoundError, NotJSONError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        say(f"error: {err}")
         return 2
     with Interrupts() as interrupts:
         return _run(args, cfg, extra_callbacks, interrupts)
@@ -165,7 +174,7 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             trainer = Trainer(cfg, resume=args.resume, callbacks=[*extra_callbacks, *default_callbacks()])
         except (ConfigError, FileNotFoundError, NotJSONError, ResumeError) as err:
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             return 2
         from data_pipelines.mixture import TooMuchBadData
         from vlm.training.distributed import collective_failure
@@ -176,16 +185,16 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             code = 0
         except TooMuchBadData as err:  # the user's data, not a crash: one line, no traceback
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             code = 2
         except NonFiniteAbort as err:
             interrupts.exiting = True
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say(f"error: {err}")
             code = 3
         except CheckpointWriteError as err:
             interrupts.exiting = True
             if trainer.is_main:  # every rank holds the same message
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                say(f"error: {err}")
             code = 5
         except Exception as err:
             why = collective_failure(err)
@@ -194,10 +203,9 @@ def _run(args, cfg, extra_callbacks, interrupts: Interrupts) -> int:
             interrupts.exiting = True
             if interrupts.received:  # Ctrl-C reached this rank too: the peer left because of it, not a fault
                 _exit_now(interrupts.report(cfg, trainer))
-            print(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
-                  f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
-                  f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto",
-                  file=sys.stderr, flush=True)
+            say(f"error: rank {trainer.rank}: lost the other ranks at step {trainer.step} ({why}); one died or "
+                f"stalled past dist_timeout_s={cfg.dist_timeout_s}. Newest complete checkpoint: "
+                f"{find_checkpoint(cfg.ckpt_dir) or 'none'}. Restart all ranks with --resume auto")
             _exit_now(4)  # the process group is broken: skip interpreter teardown, which could block on it
         trainer.close()
         trainer.engine.destroy()  # DeepSpeed's own teardown: hooks and pending ZeRO-3 work released
@@ -229,8 +237,9 @@ def _release_process_groups() -> None:
     without an active exception")."""
     import gc
 
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is None:  # stopped before torch was loaded (bad input): no process group to release
+        return
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"gpu {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
                      f"{p.multi_processor_count} SMs | cuda {torch.version.cuda} | bf16 {torch.cuda.is_bf16_supported()}")
     try:
-        import vlm  # noqa: F401  (registers the Auto classes; fails first on a missing dependency)
+        from vlm import register_auto_classes
         from vlm.modeling import features
+
+        register_auto_classes()  # imports every model module: fails first on a missing dependency
     except ImportError as err:
         print(f"error: the project does not import here: {err}")
         return 2

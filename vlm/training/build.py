@@ -328,10 +328,10 @@ class ModelSetup:
 
 def _export_bases(path: Path, kind: str) -> tuple[dict, dict | None]:
     """(text fields, vision/projector sections) of our export at ``path``."""
-    from transformers import AutoConfig
+    from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 
     check_init_from_type(path, kind)
-    config = AutoConfig.from_pretrained(str(path))
+    config = (ConceptMoEVLMConfig if kind == "vlm" else ConceptMoEConfig).from_pretrained(str(path))
     if kind == "vlm":
         return field_values(config.text_config), {"vision": config.vision, "projector": config.projector}
     return field_values(config), None

@@ -1,7 +1,7 @@
 """Atomic training checkpoints (DeepSpeed engine state + our JSON: step, counters, data-loader and
-RNG states), the ``latest`` pointer, discovery of the newest complete one, and resume (exact at the
-same world size; at another one through DeepSpeed's universal checkpoint, ``reshard.py``). The
-layout and the save protocol are in ``save``'s docstring."""
+RNG states), the ``latest`` pointer, and resume (exact at the same world size; at another one through
+DeepSpeed's universal checkpoint, ``reshard.py``). The layout and the save protocol are in ``save``'s
+docstring; the discovery of the newest complete one (no torch) is ``checkpoint_paths.py``."""
 from __future__ import annotations
 
 import base64
@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +17,9 @@ import numpy as np
 import torch
 
 from vlm.modeling.safe_loading import read_json
+from vlm.training.checkpoint_paths import (LATEST, STEP_RE, TRAINER_STATE, _step_of, find_checkpoint,  # noqa: F401
+                                          is_complete, list_checkpoints, rank_file, resolve_resume, step_dir_name)
 
-STEP_RE = re.compile(r"^step_(\d{6,})$")
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
 FORMAT_VERSION = 1
 
 
@@ -39,14 +37,6 @@ class SaveHook:
 
 
 NO_HOOK = SaveHook()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.json"
 
 
 # --- fsync helpers ------------------------------------------------------------------------------
@@ -125,80 +115,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
-
-
-# --- discovery ----------------------------------------------------------------------------------
-def is_complete(path: str | Path) -> bool:
-    """A finished checkpoint: not a .tmp folder, trainer_state.json and every rank file present."""
-    path = Path(path)
-    if not path.is_dir() or not STEP_RE.match(path.name):
-        return False
-    state_file = path / TRAINER_STATE
-    if not state_file.is_file():
-        return False
-    try:
-        state = read_json(state_file)
-    except (OSError, ValueError):
-        return False
-    if not isinstance(state, dict):
-        return False
-    return all((path / rank_file(r)).is_file() for r in range(int(state.get("world_size", 1))))
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = [p for p in ckpt_dir.iterdir() if STEP_RE.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
-
-
-def find_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint: the ``latest`` pointer if it is valid, else a scan."""
-    ckpt_dir = Path(ckpt_dir)
-    pointer = ckpt_dir / LATEST
-    candidates = list_checkpoints(ckpt_dir)
-    newest = candidates[-1] if candidates else None
-    try:  # an unreadable pointer (binary, not UTF-8) counts as absent: fall back to the scan
-        name = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else ""
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if STEP_RE.match(name):  # a step folder name, nothing else (no paths)
-        target = ckpt_dir / name
-        if is_complete(target):
-            # a crash between the rename and the pointer update leaves a newer complete one
-            if newest is not None and _step_of(newest) > _step_of(target):
-                return newest
-            return target
-    return newest
-
-
-def resolve_resume(resume: str | None, ckpt_dir: str | Path) -> Path | None:
-    """``--resume`` value -> checkpoint folder (None = start fresh).
-
-    ``auto``: the newest complete checkpoint in this run's ckpt dir, or None if there is none.
-    A path: a checkpoint folder (``.../step_000123``) or a ckpt dir (its newest checkpoint)."""
-    if not resume:
-        return None
-    if resume == "auto":
-        return find_checkpoint(ckpt_dir)
-    path = Path(resume)
-    if not path.exists():
-        raise FileNotFoundError(f"--resume {resume}: folder does not exist")
-    if STEP_RE.match(path.name):
-        if not is_complete(path):
-            raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (missing {TRAINER_STATE} "
-                                    "or rank files, or still a .tmp folder)")
-        return path
-    found = find_checkpoint(path)
-    if found is None:
-        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in that folder")
-    return found
-
-
-def _step_of(path: Path) -> int:
-    return int(STEP_RE.match(path.name).group(1))
 
 
 # --- save / load --------------------------------------------------------------------------------

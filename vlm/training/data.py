@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from vlm.modeling.config_base import ConfigError
 from vlm.config.train import DATA_LOADER_KEYS, TrainConfig
 
@@ -162,6 +160,8 @@ class SyntheticLoader:
         self.seed = int(state.get("seed", self.seed))
 
     def make_batch(self, index: int) -> dict:
+        import torch  # here, not at the top: the data paths are checked before torch loads (vlm/train.py)
+
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 10_007 + index)
         B, T = self.batch_size, self.seq_len
         n_img = (self.image["num_image_tokens"] + 2) if self.image else 0

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import vlm  # noqa: F401  (registers the Auto classes)
+import vlm
 from vlm.modeling.configuration_conceptmoe import ConceptMoEConfig
 from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM, lm_loss_fn
 
@@ -156,3 +156,56 @@ def test_vlm_export_with_separate_gate_and_up_loads_fused(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for k, v in model.state_dict().items():
         assert torch.equal(got.state_dict()[k], v), k
+
+
+def test_public_names_of_the_package():
+    """``vlm.X`` is the model package's class (loaded on first use), ``__all__`` lists what resolves, and a
+    name we do not export is an AttributeError, as for any module."""
+    from vlm.modeling import configuration_conceptmoe_vl, modeling_conceptmoe_vl, processing_conceptmoe_vl
+
+    assert vlm.ConceptMoEVLMConfig is configuration_conceptmoe_vl.ConceptMoEVLMConfig
+    assert vlm.ConceptMoEVLMForConditionalGeneration is modeling_conceptmoe_vl.ConceptMoEVLMForConditionalGeneration
+    assert vlm.ConceptMoEVLMProcessor is processing_conceptmoe_vl.ConceptMoEVLMProcessor
+    assert vlm.ConceptMoEForCausalLM is ConceptMoEForCausalLM and vlm.ConceptMoEConfig is ConceptMoEConfig
+    assert {name for name in vlm.__all__ if getattr(vlm, name) is not None} == set(vlm.__all__)
+    assert set(vlm.__all__) <= set(dir(vlm))
+    assert set(vlm.__all__) == {*vlm._PUBLIC, "register_auto_classes"}
+    with pytest.raises(AttributeError, match="no attribute 'ConceptMoEModel'"):
+        vlm.ConceptMoEModel  # noqa: B018
+
+
+AUTO_CHECK = """
+import sys
+import vlm
+assert not {"torch", "transformers"} & set(sys.modules), "import vlm loaded torch or transformers"
+from vlm import ConfigError
+assert not {"torch", "transformers"} & set(sys.modules), "vlm.ConfigError loaded torch or transformers"
+vlm.register_auto_classes()
+from transformers import (AutoConfig, AutoImageProcessor, AutoModel, AutoModelForCausalLM,
+                          AutoModelForImageTextToText, AutoProcessor)
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+lm, vl = AutoConfig.for_model("conceptmoe"), AutoConfig.for_model("conceptmoe_vlm")
+assert type(lm).__name__ == "ConceptMoEConfig" and type(vl).__name__ == "ConceptMoEVLMConfig"
+assert AutoModelForCausalLM._model_mapping[type(lm)].__name__ == "ConceptMoEForCausalLM"
+for auto in (AutoModel, AutoModelForImageTextToText):
+    assert auto._model_mapping[type(vl)].__name__ == "ConceptMoEVLMForConditionalGeneration"
+assert PROCESSOR_MAPPING[type(vl)].__name__ == "ConceptMoEVLMProcessor"
+assert "ConceptMoEImageProcessor" in repr(IMAGE_PROCESSOR_MAPPING[type(vl)])
+print("ok")
+"""
+
+
+@pytest.mark.integration  # a fresh interpreter: the registration is only unseen there
+def test_import_vlm_is_light_and_register_auto_classes_registers():
+    """``import vlm`` (and ``vlm.ConfigError``) loads neither torch nor transformers (the command lines'
+    errors and --help come at once); ``vlm.register_auto_classes()`` registers the config, both models,
+    the processor and the image processor with the Auto classes (the conftest does it for this session)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", AUTO_CHECK], cwd=root, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -132,3 +132,142 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     assert capsys.readouterr().err.splitlines() == [
         f"interrupted at step 3; newest checkpoint {ckpt}: rerun with --resume auto"]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# ---------------------------------------------------------------- bad input before torch: a fresh interpreter
+
+HEAVY = {"torch", "transformers", "deepspeed"}  # what a bad argument or --help must not wait for
+
+
+def _light_cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
+    """name -> (arguments after ``python -m vlm.train``, exit code, the line expected: stderr's only line, or
+    for --help the first line of stdout)."""
+    default = "configs/train/default.yaml"
+    (tmp / "empty.txt").write_text("\n")
+    gone = tmp / "runs" / "does-not-exist" / "ckpt" / "step_000100"
+    return {
+        "help": (["--help"], 0, "usage: python -m vlm.train [-h] --config CONFIG [--resume RESUME]"),
+        "bad override": (["--config", default, "train.lr=abc"], 2,
+                         "error: config error: train.lr: input should be a valid number, got 'abc'"),
+        "unknown key": (["--config", default, "train.lrr=1"], 2,
+                        "error: config error: train.lrr: unknown config key (known here: activation_checkpointing, betas, "
+                        "compile, eps, freeze, grad_accum, grad_clip, lora, lr, lr_mult, max_nonfinite_in_row, "
+                        "max_steps, micro_batch_size, min_lr_ratio, stage, stop_at_step, warmup_steps, weight_decay)"),
+        "config file missing": (["--config", str(tmp / "nope.yaml")], 2,
+                                f"error: config error: file not found: {tmp / 'nope.yaml'}"),
+        "resume path missing": (["--config", default, "--resume", str(gone)], 2,
+                                f"error: --resume {gone}: folder does not exist"),
+        "data file missing": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'nope.txt'}}}]"], 2,
+                              f"error: config error: data.datasets[0].path: file not found: {tmp / 'nope.txt'}"),
+        "every dataset empty": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'empty.txt'}}}]"],
+                                2, "error: config error: data: no records to draw from: every dataset with a weight "
+                                f"above 0 is an empty file (data.datasets[0].path {tmp / 'empty.txt'})"),
+    }
+
+
+@pytest.mark.integration  # a fresh interpreter: what `python -m vlm.train` imports is only seen there
+@pytest.mark.parametrize("case", ["help", "bad override", "unknown key", "config file missing",
+                                  "resume path missing", "data file missing", "every dataset empty"])
+def test_bad_input_and_help_come_before_torch(case, tmp_path):
+    """``python -m vlm.train`` with bad input or ``--help``: the one line and its exit code, and neither
+    torch, transformers nor DeepSpeed imported on the way (``-X importtime`` lists every import, also
+    those at exit). Issue 33: every argument error waited 14-36 s for them."""
+    import os
+    import subprocess
+
+    argv, code, line = _light_cases(tmp_path)[case]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLM_TRAIN_FAULT")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "vlm.train", *argv], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    timing = [ln for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
+    err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    imported = {ln.rsplit("|", 1)[-1].strip().split(".")[0] for ln in timing[1:]}  # [0] is the header
+    assert "vlm" in imported and "argparse" in imported, timing[:5]  # the listing is there
+    assert proc.returncode == code, proc.stderr[-3000:]
+    if case == "help":
+        assert err == [] and proc.stdout.splitlines()[0] == line, proc.stdout
+    else:
+        assert err == [line]
+    assert imported & HEAVY == set()
+
+
+# what preflight imports before the model config (the modules; their functions' own imports are not followed)
+PREFLIGHT_MODULES = ("vlm.train", "vlm.config.train", "vlm.modeling.config_base", "vlm.modeling.safe_loading",
+                     "vlm.training.checkpoint_paths", "vlm.training.data")
+
+
+def module_level_imports(names, root: Path = REPO_ROOT) -> tuple[set[str], set[str]]:
+    """(our modules, other top-level packages) that importing ``names`` runs: import statements outside
+    functions and ``if TYPE_CHECKING:`` blocks, followed through our modules and their parent packages."""
+    import ast
+
+    from scripts.import_graph import modules
+
+    mods = modules(root)
+    ours, others, todo = set(), set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in ours or name not in mods:
+            continue
+        ours.add(name)
+        todo += [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]  # parent packages
+        body, is_pkg = list(ast.parse(mods[name].read_text()).body), mods[name].name == "__init__.py"
+        while body:
+            node = body.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                body += node.orelse
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef)):
+                body += [n for field in ("body", "orelse", "finalbody", "handlers") for n in getattr(node, field, [])]
+            elif isinstance(node, ast.ExceptHandler):
+                body += node.body
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative, as Python resolves it
+                    anchor = name.split(".")[: name.count(".") + 1 - node.level + (1 if is_pkg else 0)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in targets:
+                    (todo.append(target) if target.split(".")[0] in ("vlm", "data_pipelines", "vision_encoders",
+                                                                      "eval_suites") else others.add(target.split(".")[0]))
+    return ours, others
+
+
+def test_what_bad_input_is_checked_with_imports_nothing_heavy():
+    """The unit-tier twin of the test above, read from the source: the modules ``preflight`` uses before the
+    model config (and every module and package ``__init__`` they import at module level) import neither
+    torch, transformers nor DeepSpeed; and the walk does see a heavy import where there is one."""
+    ours, others = module_level_imports(PREFLIGHT_MODULES)
+    assert {"vlm", "vlm.training", "vlm.modeling", "vlm.config.train"} <= ours  # the parents are walked
+    assert {"yaml", "pydantic"} <= others
+    assert others & HEAVY == set(), sorted(ours)
+    assert "torch" in module_level_imports(["vlm.training.checkpoint"])[1]
+
+
+def test_each_line_is_one_write(tmp_path, monkeypatch):
+    """Under torchrun the ranks share one stderr pipe: a line and its newline go out in one write (print
+    writes the newline apart, and two ranks' interrupt lines ran together as '... --resume autorank 0: ...'
+    in tests/integration/training/test_interrupt.py). The interrupt line of a rank and an error line."""
+    import io
+    import types
+
+    from vlm.train import INTERRUPTED, Interrupts, main
+
+    writes: list[str] = []
+
+    class Stderr(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert Interrupts().report(types.SimpleNamespace(ckpt_dir=tmp_path), None) == INTERRUPTED
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["--config", "configs/train/default.yaml", "train.lr=abc"]) == 2
+    assert writes == [f"rank 1: interrupted before the first step; no checkpoint in {tmp_path} yet: rerun the same "
+                      "command to start again\n",
+                      "error: config error: train.lr: input should be a valid number, got 'abc'\n"]
