@@ -114,6 +114,29 @@ def _triton_python_modules() -> list[str]:
     return [k for k in sys.modules if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")]
 
 
+def _interpreter_cannot_loop_to_a_runtime_int() -> str | None:
+    """Why this triton's interpreter cannot run our carry kernel's ``for c0 in range(0, N, CB)`` over a
+    runtime int (triton 3.6's interpreter with numpy 2.4: ``int()`` of a 1-element array), or None. The
+    compiled kernel is not concerned: test_triton_kernels_compile_for_a_gpu_without_one compiles it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(out_ptr, n):
+        acc = tl.zeros([1], dtype=tl.float32)
+        for _ in range(0, n, 1):
+            acc += 1.0
+        tl.store(out_ptr + tl.arange(0, 1), acc)
+
+    out = torch.zeros(1)
+    try:
+        probe[(1,)](out, 3)
+    except Exception as err:  # noqa: BLE001 - any failure of the probe is the reason to skip
+        return (f"triton {triton.__version__}'s interpreter cannot loop over a runtime int argument "
+                f"({type(err).__name__}: {str(err)[:120]}); the kernel's compile test still runs")
+    return None if float(out[0]) == 3.0 else f"triton {triton.__version__}'s interpreter miscounts a runtime loop"
+
+
 @pytest.fixture(scope="class")
 def interpreted_triton():
     """``vlm.modeling.linear_scan_triton`` on CPU tensors with ``TRITON_INTERPRET=1``. The flag is read when
@@ -126,7 +149,11 @@ def interpreted_triton():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TRITON_INTERPRET", "1")
-            yield importlib.import_module(ours)
+            module = importlib.import_module(ours)
+            why = _interpreter_cannot_loop_to_a_runtime_int()
+            if why:
+                pytest.skip(why)
+            yield module
     finally:
         for k in _triton_python_modules() + [ours]:
             sys.modules.pop(k, None)
