@@ -103,6 +103,10 @@ PLANTS = [
   "send, recv = torch.stack((counts_E.view(P, E_loc).sum(1), recv_PL.sum(1))).tolist()",
   "send, recv = torch.stack((counts_E.view(P, E_loc).sum(1), recv_PL.sum(0))).tolist()",
   "tests/unit/training/test_expert_parallel_dispatch.py::test_dispatch_matches_the_unsharded_layer_in_one_process"),
+ ("34-chunk-shape", "vlm/modeling/chunking.py",
+  "            M = max(capacity, 1)\n",
+  "            M = concept_len(count_B)\n",
+  "tests/unit/modeling/test_host_syncs.py::test_packed_training_step_with_a_host_layout_reads_no_concept_count"),
  ("34-moe-item", "vlm/modeling/moe.py",
   "        y_ND, counts_E = self.experts_sorted(x_ND, weights_NK, experts_NK, keep_N)\n",
   "        top_expert = experts_NK.max().item()  # a host read in the MoE's forward\n"

@@ -24,7 +24,7 @@ def _load(name: str) -> dict:
 def test_readme_figures_are_the_committed_runs():
     spans = figures.page_spans()
     expected = figures.all_figures()
-    assert set(spans) == {"train", "eval", "bench", "vs_transformers"}
+    assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "tests"}
     assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
         assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
@@ -121,3 +121,15 @@ def test_a_span_marked_on_two_pages_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "ROOT", tmp_path)
     with pytest.raises(ValueError, match="figures:train marked in a.md and b.md"):
         figures.page_spans()
+
+
+def test_overhead_and_test_time_figures_move_with_their_files():
+    """docs/performance.md's overhead table and README's unit-tier time are rendered from their files."""
+    import json
+
+    run = json.loads((figures.BENCH / "overhead.json").read_text())
+    run["results"]["conceptmoe"]["ops"] = 12_345
+    assert "| ConceptMoE | 12,345 |" in figures.render_overhead(run)
+    unit = json.loads((figures.TESTS / "unit.json").read_text())
+    text = figures.render_tests({**unit, "wall_s": 61.0, "load_before": 7.25})
+    assert "in 1 min 01 s" in text and "load average 7.2" in text and unit["commit"] in text
