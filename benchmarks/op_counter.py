@@ -72,7 +72,65 @@ def launches_kernel(func) -> bool:
     return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL
 
 
-class OpCounter(TorchDispatchMode):
+def host_read(func, args, kwargs) -> str | None:
+    """The label of a dispatched op that reads device data on the host (on CUDA it waits for the device):
+    ``.item()`` / ``int`` / ``bool`` (``_local_scalar_dense``), ``nonzero``, ``unique``, boolean-mask
+    indexing, ``repeat_interleave`` without ``output_size``, a copy to the CPU; None for any other op."""
+    name = func.overloadpacket.__name__
+    if name in READ_OPS or (name == "repeat_interleave" and func._overloadname != "self_int"
+                            and kwargs.get("output_size") is None):
+        return name
+    if name in INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                 for i in (args[1] or ()) if i is not None):
+        return f"{name}[bool mask]"
+    if name in ("_to_copy", "copy_") and _to_host(func, args, kwargs):
+        return f"{name}(to cpu)"
+    return None
+
+
+class HostReadMode(TorchDispatchMode):
+    """Calls ``self._read(label)`` for every host read of tensor data: the dispatched ones (``host_read``)
+    and ``.tolist()``, which reads outside the dispatcher (its own copy to the CPU is not counted again)."""
+
+    def __init__(self):
+        super().__init__()
+        self._tolist = torch.Tensor.tolist
+        self._quiet = False
+
+    def _read(self, op: str) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        mode, tolist = self, self._tolist
+
+        def recording_tolist(t):
+            mode._read("tolist")
+            mode._quiet = True
+            try:
+                return tolist(t)
+            finally:
+                mode._quiet = False
+        torch.Tensor.tolist = recording_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._quiet:
+            label = host_read(func, args, kwargs)
+            if label is not None:
+                self._read(label)
+            self._op(func)
+        return func(*args, **kwargs)
+
+    def _op(self, func) -> None:
+        """Every dispatched op outside ``.tolist()`` (counters override it)."""
+
+
+class OpCounter(HostReadMode):
     """Records every dispatched op: (phase, component, op, where) for kernel-launching ops, and
     (op, host_sync reason or None, where) for host reads of device data."""
 
@@ -81,8 +139,6 @@ class OpCounter(TorchDispatchMode):
         self.ops: list[tuple[str, str, str, str]] = []
         self.reads: list[tuple[str, str | None, str]] = []
         self._phase = "other"
-        self._tolist = torch.Tensor.tolist
-        self._quiet = False
 
     @contextmanager
     def phase(self, name: str):
@@ -97,39 +153,11 @@ class OpCounter(TorchDispatchMode):
         if not where.startswith(HOST_BY_DESIGN):
             self.reads.append((op, syncs.active(), where))
 
-    def __enter__(self):
-        counter, tolist = self, self._tolist
-
-        def recording_tolist(t):  # reads the data outside the dispatcher
-            counter._read("tolist")
-            counter._quiet = True
-            try:
-                return tolist(t)
-            finally:
-                counter._quiet = False
-        torch.Tensor.tolist = recording_tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def _op(self, func) -> None:
         name = func.overloadpacket.__name__
-        if not self._quiet:
-            if name in READ_OPS or (name == "repeat_interleave" and func._overloadname != "self_int"
-                                    and kwargs.get("output_size") is None):
-                self._read(name)
-            elif name in INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                           for i in (args[1] or ()) if i is not None):
-                self._read(f"{name}[bool mask]")
-            elif name in ("_to_copy", "copy_") and _to_host(func, args, kwargs):
-                self._read(f"{name}(to cpu)")
-            if launches_kernel(func) and name != "_local_scalar_dense":
-                comp, where = _component()
-                self.ops.append((self._phase, comp, name, where))
-        return func(*args, **kwargs)
+        if launches_kernel(func) and name != "_local_scalar_dense":
+            comp, where = _component()
+            self.ops.append((self._phase, comp, name, where))
 
     # --- summaries ---
     def total(self) -> int:

@@ -16,7 +16,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import syncs
@@ -26,15 +25,13 @@ from vlm.modeling.varlen import LAYOUT_SYNC, DocLayout
 from vlm.modeling.dechunk import dechunk
 from vlm.modeling.moe import MoEFeedForward, init_moe_weights
 
+from benchmarks.op_counter import HostReadMode
 from _device import DEVICE, cuda_only, dev, require_test_device  # noqa: F401
 from conftest import build_model, left_padded
 
 pytestmark = pytest.mark.device
 
 OURS = ("vlm/modeling/moe.py", "vlm/modeling/chunking.py", "vlm/modeling/dechunk.py", "vlm/modeling/blocks.py")
-READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
-            "unique_consecutive", "is_nonzero", "equal", "allclose"}
-INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
 def _where() -> str:
@@ -43,49 +40,15 @@ def _where() -> str:
     return f"vlm/{frames[-1].filename.rsplit('/vlm/', 1)[1]}:{frames[-1].lineno}" if frames else "backward"
 
 
-class HostReads(TorchDispatchMode):
+class HostReads(HostReadMode):
     """Records (op, host_sync reason or None, where) for every host read of tensor data."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[tuple[str, str | None, str]] = []
-        self._tolist = torch.Tensor.tolist
-        self._quiet = False
 
-    def _record(self, op: str) -> None:
+    def _read(self, op: str) -> None:
         self.reads.append((op, syncs.active(), _where()))
-
-    def __enter__(self):
-        reads, tolist = self, self._tolist
-
-        def recording_tolist(t):  # .tolist() reads the data outside the dispatcher (on CUDA, its
-            reads._record("tolist")  # own copy to the CPU is not counted a second time)
-            reads._quiet = True
-            try:
-                return tolist(t)
-            finally:
-                reads._quiet = False
-        torch.Tensor.tolist = recording_tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if self._quiet:
-            pass
-        elif name in READ_OPS or (name == "repeat_interleave" and func._overloadname != "self_int"
-                                and kwargs.get("output_size") is None):
-            self._record(name)
-        elif name in INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                                       for i in (args[1] or ()) if i is not None):
-            self._record(f"{name}[bool mask]")
-        elif name in ("_to_copy", "copy_") and _to_host(func, args, kwargs):
-            self._record(f"{name}(to cpu)")
-        return func(*args, **kwargs)
 
     def unnamed(self, files=None) -> list[tuple[str, str]]:
         return [(op, at) for op, why, at in self.reads if why is None
@@ -93,13 +56,6 @@ class HostReads(TorchDispatchMode):
 
     def named(self) -> Counter:
         return Counter(why for _, why, _ in self.reads if why is not None)
-
-
-def _to_host(func, args, kwargs) -> bool:
-    src = args[0] if func.overloadpacket.__name__ == "_to_copy" else args[1]
-    dst = kwargs.get("device") if func.overloadpacket.__name__ == "_to_copy" else args[0].device
-    return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
-        and torch.device(dst).type == "cpu"
 
 
 def test_detector_sees_host_reads():
