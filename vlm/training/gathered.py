@@ -3,6 +3,8 @@ expert-parallel groups, a fresh unsharded model holding it (the export, and what
 under ZeRO-3 / expert parallelism, where its shard cannot run without the other ranks)."""
 from __future__ import annotations
 
+import torch
+
 from vlm.modeling.vision_hub import load_line_muted, log_load
 from vlm.modeling.safe_loading import load_state_dict_checked
 from vlm.training import lora
@@ -34,7 +36,9 @@ def unsharded_model(ctx: RunContext, state: dict, log_vision: bool = True):
     """Rank 0: a fresh, unsharded model holding ``state`` (LoRA adapters merged). The vision tower's
     load line names this run's trained weights (``log_vision``; the fresh build's random init, replaced
     at once, logs none)."""
-    with load_line_muted():
+    # the fresh build's random init must not move this rank's RNG streams (the chunker's boundary noise of
+    # the next training steps draws from them): an in-training eval or picture leaves training as it was
+    with load_line_muted(), torch.random.fork_rng(devices=[]):
         fresh = build_model(ctx.model_config, ctx.cfg.model.kind)
     if ctx.cfg.train.lora:  # the same adapters, loaded, then merged: a plain model with no peft keys
         lora.inject(fresh, ctx.cfg.train.lora)
