@@ -73,24 +73,15 @@ def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
     return {int(r["step"]): r.get(key) for r in records(run_dir)}
 
 
-def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False, faults=None,
-                  extra_callbacks=()):
-    """Train in this process (world size 1, gloo). Returns the Trainer. ``extra_callbacks`` run before
-    the default ones (as ``vlm.train.main``'s)."""
+def fit_inprocess(cfg, resume: str | None = None, callbacks=None, finish: bool = False):
+    """Build a Trainer for a loaded ``cfg`` in this process (world size 1, gloo), fit (and finish), close.
+    Returns the Trainer; the process's torch thread count is put back (cpu_threads is process-wide)."""
     import torch
 
-    from vlm.config.train import load_train_config
     from vlm.training.trainer import Trainer
 
-    cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))
     threads = torch.get_num_threads()
     try:
-        callbacks = None
-        if faults or extra_callbacks:  # the reliability entry point's seam (vlm/reliability/train.py)
-            from vlm.reliability.faults import InjectFaults
-            from vlm.training.callbacks.defaults import default_callbacks
-
-            callbacks = [*([InjectFaults(faults)] if faults else []), *extra_callbacks, *default_callbacks()]
         trainer = Trainer(cfg, resume=resume, callbacks=callbacks)
         try:
             trainer.fit()
@@ -101,3 +92,19 @@ def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool 
     finally:
         torch.set_num_threads(threads)  # cpu_threads is process-wide: leave other tests as they were
     return trainer
+
+
+def run_inprocess(raw: dict, tmp: Path, resume: str | None = None, finish: bool = False, faults=None,
+                  extra_callbacks=()):
+    """Train in this process (world size 1, gloo). Returns the Trainer. ``extra_callbacks`` run before
+    the default ones (as ``vlm.train.main``'s)."""
+    from vlm.config.train import load_train_config
+
+    cfg = load_train_config(write_config(tmp, raw, f"{raw['name']}.yaml"))
+    callbacks = None
+    if faults or extra_callbacks:  # the reliability entry point's seam (vlm/reliability/train.py)
+        from vlm.reliability.faults import InjectFaults
+        from vlm.training.callbacks.defaults import default_callbacks
+
+        callbacks = [*([InjectFaults(faults)] if faults else []), *extra_callbacks, *default_callbacks()]
+    return fit_inprocess(cfg, resume, callbacks, finish)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _train_helpers import config
+from _train_helpers import config, fit_inprocess
 from vlm.training.callbacks.base import Callback
 
 
@@ -50,7 +50,6 @@ def test_nan_gradient_skips_the_step_without_the_per_partition_check(tmp_path, m
 
     from vlm.config.train import load_train_config
     from vlm.training.callbacks.defaults import default_callbacks
-    from vlm.training.trainer import Trainer
 
     def per_partition(self):
         raise AssertionError("the per-partition overflow check ran")
@@ -58,16 +57,13 @@ def test_nan_gradient_skips_the_step_without_the_per_partition_check(tmp_path, m
     raw = config(tmp_path, name=f"nangrad_{precision}", precision=precision, train={"max_steps": 3},
                  checkpoint={"every_steps": 0, "save_final": False})
     nan = NaNGradientAt(2)
-    threads = torch.get_num_threads()
-    try:
-        trainer = Trainer(load_train_config(raw=raw), callbacks=[nan, *default_callbacks()])
-        try:
-            assert trainer.norm_overflow_check == (precision == "bf16")  # fp32: DeepSpeed checks the norm only
-            trainer.fit()
-        finally:
-            trainer.close()
-    finally:
-        torch.set_num_threads(threads)
+    checked = []
+
+    class NormCheckOn(Callback):  # the engine's optimizer as the trainer set it up, before the first step
+        def on_fit_start(self, trainer) -> None:
+            checked.append(trainer.norm_overflow_check)
+    trainer = fit_inprocess(load_train_config(raw=raw), callbacks=[nan, NormCheckOn(), *default_callbacks()])
+    assert checked == [precision == "bf16"]  # fp32: DeepSpeed checks the norm only
     p = trainer.progress
     assert p.step == 3 and p.skipped_steps == 1
     assert all(torch.equal(nan.before[k], nan.after[k]) for k in nan.before), "the skipped step moved weights"

@@ -12,6 +12,7 @@ import torch
 from vlm.config.train import REPO_ROOT, load_train_config
 from vlm.training.trainer import Trainer
 from _data_helpers import session_default_data
+from _train_helpers import fit_inprocess
 
 EXACT_KEYS = ("loss", "grad_norm", "lr", "tokens")
 
@@ -26,17 +27,7 @@ def default_overrides(root: str, out: Path) -> list[str]:
 
 
 def train(overrides: list[str], resume: str | None = None) -> Trainer:
-    cfg = load_train_config(REPO_ROOT / "configs" / "train" / "default.yaml", overrides)
-    threads = torch.get_num_threads()
-    try:
-        trainer = Trainer(cfg, resume=resume)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-    finally:
-        torch.set_num_threads(threads)  # cpu_threads is process-wide: leave other tests as they were
-    return trainer
+    return fit_inprocess(load_train_config(REPO_ROOT / "configs" / "train" / "default.yaml", overrides), resume)
 
 
 def step_records(run_dir: Path) -> list[dict]:
