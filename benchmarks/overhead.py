@@ -61,26 +61,18 @@ class OursStep:
 
     def __init__(self, chunking: bool, T: int, threads: int, out: Path, device: torch.device, dtype: torch.dtype,
                  layers: dict):
-        from vlm.config.train import load_train_config
+        from vlm.config.train import REPO_ROOT, load_train_config
         from vlm.training.trainer import Trainer
 
         raw = {"name": f"overhead_{'conceptmoe' if chunking else 'moe'}", "output_dir": str(out), "seed": 0,
                "deepspeed": "zero2", "cpu_threads": threads, "device": device.type,
                "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
-               "model": {"kind": "lm", "preset": "configs/model/mfu_1b.yaml", "chunking": chunking, **WIDTH, **layers},
+               "model": {"kind": "lm", "preset": str(REPO_ROOT / "configs" / "model" / "mfu_1b.yaml"), "chunking": chunking, **WIDTH, **layers},
                "data": {"kind": "synthetic", "max_length": T, "synthetic_vocab": 2000},
                "train": {"max_steps": 10_000, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
                "log": {"every_steps": 10_000, "progress_bar": False, "report_to": []},
                "checkpoint": {"every_steps": 0, "save_final": False, "export_hf": False}}
-        from vlm.config.train import REPO_ROOT
-        import os
-
-        cwd = os.getcwd()
-        os.chdir(REPO_ROOT)  # the preset path is relative to the repository
-        try:
-            self.trainer = Trainer(load_train_config(raw=raw))
-        finally:
-            os.chdir(cwd)
+        self.trainer = Trainer(load_train_config(raw=raw))
         self.batch = packed_batch(T, self.trainer.text_config.vocab_size)
         self.trainer._call("on_fit_start")
 
