@@ -33,6 +33,7 @@ from vlm.flops.training import Trains
 from vlm.training.build import build_processor, setup_model, text_config_of
 from vlm.training.metrics import MetricsLogger, MfuMeter
 from vlm.training.overflow import use_norm_overflow_check
+from vlm.training.zero_norm import use_one_norm_read
 from vlm.training.peak import resolve_peak
 from vlm.training.prepare import prepare_model
 from vlm.training.state import Progress, RunContext
@@ -102,13 +103,14 @@ class Trainer:
                                          self.rank, self.log_line, cfg.parallel.expert_parallel_size)
         if self.zero_stage == 0:
             self.log_line("[train] warning: ZeRO stage 0 in fp32 does not skip non-finite steps; use zero1/2/3")
-        optimizer = optim.build_optimizer(model, cfg, self.device)
+        optimizer = optim.build_optimizer(model, cfg)
         self.group_names = [g["name"] for g in optimizer.param_groups]
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=optim.scheduler_factory(cfg), config=self.ds_config)
         if self.zero_stage == 3:
             register_zero3_external(self.engine.module)
         self.norm_overflow_check = use_norm_overflow_check(self.engine.optimizer)
+        self.one_norm_read = use_one_norm_read(self.engine.optimizer)
         self.ctx = RunContext(cfg=cfg, run_dir=self.run_dir, is_main=self.is_main, zero_stage=self.zero_stage,
                               device=self.device, model_device=self.engine.device, module=self.engine.module,
                               model_config=self.model_config, processor=self.processor, tokenizer=self.tokenizer,
