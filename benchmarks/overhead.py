@@ -34,6 +34,7 @@ DOCS = 5
 SMOKE_LAYERS = {"num_hidden_layers": 6}  # --smoke: 2/2/2 (the figures are meaningless there)
 TARGET_OPS_VS_HF = 1.1
 TARGET_NAMED_SYNCS = 1
+TARGET_STEP_OPS = 100  # the optimizer step (issue 34 item 3)
 TARGET_GRAPH_BREAKS = 3
 MODELS = ("conceptmoe", "moe", "transformers")
 
@@ -231,16 +232,24 @@ def run(argv=None) -> dict:
     conceptmoe.CAPACITY = capacity
     depth = steps["transformers"].model.config.num_hidden_layers
     hf_ops = results["transformers"]["ops"]
+    from vlm.modeling.varlen import LOOP_SYNC
+    cpu_only = {LOOP_SYNC} if s.device.type == "cpu" else set()  # the loop kernel's runs: flash on CUDA reads none
+    for r in results.values():
+        r["named_syncs_cpu_only"] = sum(v for k, v in r["named_syncs"].items() if k in cpu_only)
     targets = []
     for name in ("conceptmoe", "moe"):
         r = results[name]
-        named = sum(r["named_syncs"].values())
+        named = sum(r["named_syncs"].values()) - r["named_syncs_cpu_only"]
         targets += [
             {"model": name, "what": f"ops / transformers' (<= {TARGET_OPS_VS_HF}x)", "value": r["ops"] / hf_ops,
              "met": r["ops"] / hf_ops <= TARGET_OPS_VS_HF},
+            {"model": name, "what": f"optimizer step ops (<= {TARGET_STEP_OPS})",
+             "value": r["ops_by_phase"].get("optimizer step", 0),
+             "met": r["ops_by_phase"].get("optimizer step", 0) <= TARGET_STEP_OPS},
             {"model": name, "what": "unnamed host syncs (0)", "value": len(r["unnamed_syncs"]),
              "met": not r["unnamed_syncs"]},
-            {"model": name, "what": f"named host syncs (<= {TARGET_NAMED_SYNCS})", "value": named,
+            {"model": name, "what": f"named host syncs, the CPU loop kernel's excluded (<= {TARGET_NAMED_SYNCS})",
+             "value": named,
              "met": named <= TARGET_NAMED_SYNCS}]
         if r["graph_breaks"] is not None:
             b = r["graph_breaks"]["breaks"]
@@ -251,7 +260,9 @@ def run(argv=None) -> dict:
     def report():
         phases = ["forward", "backward", "optimizer step", "other"]
         rows = [[n, f"{results[n]['ops']:,}", *(f"{results[n]['ops_by_phase'].get(p, 0):,}" for p in phases),
-                 f"{sum(results[n]['named_syncs'].values())} / {len(results[n]['unnamed_syncs'])}",
+                 f"{sum(results[n]['named_syncs'].values())}"
+                 + (f" ({results[n]['named_syncs_cpu_only']} CPU-only)" if results[n]["named_syncs_cpu_only"] else "")
+                 + f" / {len(results[n]['unnamed_syncs'])}",
                  _breaks(results[n]["graph_breaks"]),
                  fmt_median_iqr(results[n]["host_time_s"])] for n in MODELS]
         table = md_table(["model", "ops", *phases, "syncs named / unnamed", "graph breaks", "host time per step"], rows)

@@ -44,6 +44,8 @@ from .syncs import host_sync
 
 LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest document and the "
                "length buckets are the attention kernels' shapes); once per stack and forward")
+LOOP_SYNC = ("varlen: the loop kernel's document runs (the CPU's kernel; flash on CUDA reads nothing); once per stack "
+             "and forward")
 
 KERNEL = "auto"  # "auto": flash where it applies, else loop on the CPU, else bucketed | "loop" | "bucketed"
 KERNELS = ("auto", "loop", "bucketed")
@@ -90,7 +92,7 @@ class DocLayout:
     def pieces(self) -> list[tuple[int, int, bool]]:
         """(start, length, is a run of length-1 documents) in document order, for the loop kernel."""
         out: list[tuple[int, int, bool]] = []
-        with host_sync(LAYOUT_SYNC):  # CPU only (the loop kernel): nothing waits there
+        with host_sync(LOOP_SYNC):  # CPU only (the loop kernel): nothing waits there
             cu = self.cu_seq.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
             if b == a:  # an empty document (concept_layout)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm.modeling import conceptmoe, syncs
-from vlm.modeling.varlen import LAYOUT_SYNC, DocLayout
+from vlm.modeling.varlen import LAYOUT_SYNC, LOOP_SYNC, DocLayout
 
 from conftest import build_model
 
@@ -46,7 +46,7 @@ def test_host_layout_gives_the_same_loss_and_gradients_without_the_token_layout_
             out = model(**batch, **extra)
         out.loss.backward()
         runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                     named[LAYOUT_SYNC]))
+                     named[LAYOUT_SYNC] + named[LOOP_SYNC]))
     (loss_a, grads_a, reads_a), (loss_b, grads_b, reads_b) = runs
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
