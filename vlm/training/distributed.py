@@ -135,8 +135,9 @@ def _merge(base: dict, over: dict) -> dict:
 
 def build_ds_config(cfg, world_size: int, bf16: bool) -> dict:
     """configs/deepspeed/<preset>.json + deepspeed_overrides, with the batch, clipping and precision
-    fields filled from the training YAML (the single source of truth for them); ``overlap_comm`` off on
-    one rank (nothing to overlap; DeepSpeed would synchronize the device after every backward)."""
+    fields filled from the training YAML (the single source of truth for them); on one rank ``overlap_comm``
+    (nothing to overlap; DeepSpeed would synchronize the device after every backward) and ZeRO-1/2's
+    ``contiguous_gradients`` (a copy per parameter into buckets that are never reduced) are off."""
     with open(cfg.deepspeed_json(), encoding="utf-8") as f:
         ds = json.load(f)
     ds = _merge(ds, cfg.deepspeed_overrides or {})
@@ -159,6 +160,10 @@ def build_ds_config(cfg, world_size: int, bf16: bool) -> dict:
         # one rank: no gradient reduction to overlap, and with it on ZeRO-2 synchronizes the device at the
         # end of every backward (an explicit deepspeed_overrides value is kept)
         zo["overlap_comm"] = False
+    if world_size == 1 and isinstance(zo, dict) and zo.get("stage") in (1, 2) and "contiguous_gradients" not in user_zo:
+        # one rank: the gradients stay in .grad (DeepSpeed would copy each into a bucket, then into the
+        # partition buffer: two copies per parameter per step); one_rank.py skips the reduction itself
+        zo["contiguous_gradients"] = False
     ds.setdefault("steps_per_print", 10 ** 9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds

@@ -33,6 +33,7 @@ from vlm.flops.training import Trains
 from vlm.training.build import build_processor, setup_model, text_config_of
 from vlm.training.metrics import MetricsLogger, MfuMeter
 from vlm.training.overflow import use_norm_overflow_check
+from vlm.training.one_rank import skip_single_rank_reduction
 from vlm.training.zero_norm import use_one_norm_read
 from vlm.training.peak import resolve_peak
 from vlm.training.prepare import prepare_model
@@ -111,6 +112,7 @@ class Trainer:
             register_zero3_external(self.engine.module)
         self.norm_overflow_check = use_norm_overflow_check(self.engine.optimizer)
         self.one_norm_read = use_one_norm_read(self.engine.optimizer)
+        self.single_rank_reduction_skipped = skip_single_rank_reduction(self.engine.optimizer)
         self.ctx = RunContext(cfg=cfg, run_dir=self.run_dir, is_main=self.is_main, zero_stage=self.zero_stage,
                               device=self.device, model_device=self.engine.device, module=self.engine.module,
                               model_config=self.model_config, processor=self.processor, tokenizer=self.tokenizer,
