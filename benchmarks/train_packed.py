@@ -76,7 +76,7 @@ def predicted(base_cfg, con_cfg, segment_ids_BT: torch.Tensor, ratio: float) -> 
     """The accountant's forward-FLOP speedup for these rows at the timed R: attention spans one document,
     so its map is counted at the token-weighted mean document length (sum L^2 / sum L), the causal half
     (what the per-document flash kernels compute) and, for reference, the full map."""
-    mean_doc = float(doc_tokens_sq(segment_ids_BT, "cpu")) / max(int((segment_ids_BT > 0).sum()), 1)
+    mean_doc = doc_tokens_sq(segment_ids_BT) / max(int((segment_ids_BT > 0).sum()), 1)
     return {"mean_doc_len": mean_doc,
             "predicted_speedup_causal": predicted_speedup(base_cfg, con_cfg, mean_doc, ratio=ratio, causal_half=True),
             "predicted_speedup_full_map": predicted_speedup(base_cfg, con_cfg, mean_doc, ratio=ratio)}

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlm.modeling.chunking import achieved_ratio, concept_counts
@@ -17,92 +18,106 @@ from vlm.training.distributed import all_reduce_sum
 
 IGNORE_INDEX = -100
 SCALARS = ("loss", "lm_loss", "ratio_loss", "lb_loss", "z_loss")
-# counters summed over micro-batches and ranks (index into the reduction vector)
-COUNTERS = ("micro", "nonfinite", "tokens", "rows", "samples", "bnd", "tok_img", "bnd_img", "tok_txt", "bnd_txt",
-            "prob_sum", "prob_n", "padded_tokens", "doc_tokens_sq")
+# counters summed over micro-batches and ranks (index into the reduction vector): the host's (from the batch
+# as the collator built it) and the device's (from the model's outputs)
+HOST_COUNTERS = ("micro", "tokens", "rows", "samples", "tok_img", "tok_txt", "prob_n", "padded_tokens",
+                 "doc_tokens_sq")
+DEVICE_COUNTERS = ("nonfinite", "bnd", "bnd_img", "bnd_txt", "prob_sum")
+COUNTERS = HOST_COUNTERS + DEVICE_COUNTERS
 
 
-def doc_tokens_sq(segment_ids_BT: torch.Tensor, device) -> torch.Tensor:
+def doc_tokens_sq(segment_ids_BT) -> float:
     """Sum over the documents of a batch of (document length)^2: a document is a run of one segment id
-    > 0 in a row (packing; a padded row is one document). No host sync (a fixed-size scatter_add)."""
-    seg = segment_ids_BT.to(device).long()
+    > 0 in a row (packing; a padded row is one document). On the host (numpy), where the batch is built."""
+    seg = np.asarray(segment_ids_BT, dtype=np.int64)
     B, T = seg.shape
-    key_BT = torch.arange(B, device=seg.device)[:, None] * (T + 1) + seg.clamp(0, T)
-    counts = torch.zeros(B * (T + 1), dtype=torch.float64, device=seg.device)
-    counts.scatter_add_(0, key_BT.flatten(), (seg > 0).flatten().double())
-    return counts.square().sum()
+    key_BT = np.arange(B)[:, None] * (T + 1) + seg.clip(0, T)
+    counts = np.bincount(key_BT.ravel(), weights=(seg > 0).ravel().astype(np.float64), minlength=B * (T + 1))
+    return float(np.square(counts).sum())
+
+
+def _host(t) -> np.ndarray:
+    """A batch tensor as numpy: the collator's CPU tensors (no copy); a device tensor is read (tests only)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def host_counts(batch: dict, image_token_id: int | None, chunking: bool) -> np.ndarray:
+    """``HOST_COUNTERS`` of one micro-batch from its host tensors: no device op, no copy to the device."""
+    valid = _host(batch["attention_mask"]) != 0
+    seg = batch.get("segment_ids")
+    c = dict.fromkeys(HOST_COUNTERS, 0.0)
+    c["micro"], c["tokens"], c["padded_tokens"], c["rows"] = 1.0, float(valid.sum()), float(valid.size), float(len(valid))
+    c["samples"] = float(batch.get("num_samples", len(valid)))
+    c["doc_tokens_sq"] = doc_tokens_sq(_host(seg) if seg is not None else valid)
+    if chunking:
+        c["prob_n"] = c["tokens"]
+        if image_token_id is not None:
+            c["tok_img"] = float(((_host(batch["input_ids"]) == image_token_id) & valid).sum())
+            c["tok_txt"] = c["tokens"] - c["tok_img"]
+    return np.array([c[k] for k in HOST_COUNTERS], dtype=np.float64)
 
 
 class WindowStats:
     """Sums over the micro-batches of one logging window on this rank.
 
-    Everything is accumulated as tensors on the model's device (no host sync per micro-batch);
-    ``reduce`` moves the totals to the host once per log step."""
+    What the batch tells is summed on the host (``host_counts``); what the model computed (losses,
+    boundaries) as one tensor on the model's device, with no host sync per micro-batch and no copy of the
+    batch to the device (the trainer's moved inputs, ``batch["device"]``, are read there); ``reduce`` moves
+    the totals to the host once per log step."""
 
     def __init__(self, image_token_id: int | None):
         self.image_token_id = image_token_id
         self.reset()
 
     def reset(self) -> None:
-        self.acc: torch.Tensor | None = None  # [len(SCALARS) + len(COUNTERS)] float64
+        self.host = np.zeros(len(HOST_COUNTERS))
+        self.acc: torch.Tensor | None = None  # [len(SCALARS) + len(DEVICE_COUNTERS)] float64
         self.experts: torch.Tensor | None = None
         self.t0 = time.perf_counter()
 
     @property
     def micro(self) -> float:
-        return 0.0 if self.acc is None else float(self.acc[len(SCALARS) + COUNTERS.index("micro")])
-
-    @property
-    def nonfinite(self) -> float:
-        return 0.0 if self.acc is None else float(self.acc[len(SCALARS) + COUNTERS.index("nonfinite")])
+        return float(self.host[HOST_COUNTERS.index("micro")])
 
     @torch.no_grad()
     def add(self, out, batch: dict) -> None:
-        loss = out.loss.detach().double()
-        dev = loss.device
-        finite = torch.isfinite(loss)
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        vals = []
-        for key in SCALARS:
-            v = getattr(out, key, None)
-            vals.append(torch.where(finite, v.detach().double(), zero) if v is not None else zero)
-        mask = batch["attention_mask"]
-        valid = mask.to(dev).bool()
-        c = dict.fromkeys(COUNTERS, zero)
-        c["micro"] = zero + 1
-        c["nonfinite"] = (~finite).double()
-        c["tokens"] = valid.sum().double()
-        c["padded_tokens"] = zero + valid.numel()
-        c["rows"] = zero + valid.shape[0]
-        c["samples"] = zero + float(batch.get("num_samples", valid.shape[0]))
-        seg = batch.get("segment_ids")
-        c["doc_tokens_sq"] = doc_tokens_sq(seg if seg is not None else mask, dev)
         b = getattr(out, "boundary_mask", None)
+        self.host += host_counts(batch, self.image_token_id, b is not None)
+        loss = out.loss.detach()
+        finite = torch.isfinite(loss)
+        zero = torch.zeros((), dtype=torch.float32, device=loss.device)  # fp32: counts exact to 2^24 per micro-batch
+        vals = [getattr(out, k, None) for k in SCALARS]
+        vals = [zero if v is None else v.detach().float() for v in vals]
+        c = dict.fromkeys(DEVICE_COUNTERS, zero)
+        c["nonfinite"] = ~finite
         if b is not None:
-            img = None if self.image_token_id is None else batch["input_ids"].to(dev) == self.image_token_id
-            n = {k: v.sum().double() for k, v in concept_counts(b, valid, img).items()}
-            c["bnd"] = n["concepts"]
+            moved = batch.get("device") or {}
+            valid = moved.get("attention_mask", batch["attention_mask"]).to(loss.device).bool()
+            img = None
+            if self.image_token_id is not None:
+                img = moved.get("input_ids", batch["input_ids"]).to(loss.device) == self.image_token_id
+            n = concept_counts(b, valid, img)
+            c["bnd"] = n["concepts"].sum()
             if img is not None:
-                c["tok_img"], c["bnd_img"] = n["tokens_image"], n["concepts_image"]
-                c["tok_txt"], c["bnd_txt"] = n["tokens_text"], n["concepts_text"]
+                c["bnd_img"], c["bnd_txt"] = n["concepts_image"].sum(), n["concepts_text"].sum()
             p = getattr(out, "boundary_probs", None)
             if p is not None:
-                c["prob_sum"] = (p.double() * valid).sum()
-                c["prob_n"] = valid.sum().double()
-        vec = torch.stack(vals + [c[k] for k in COUNTERS])
+                c["prob_sum"] = (p.detach().float() * valid).sum()
+        scalars = torch.where(finite, torch.stack(vals), 0.0)  # a non-finite micro-batch adds no loss
+        vec = torch.cat([scalars, torch.stack([c[k].float() for k in DEVICE_COUNTERS])]).double()
         self.acc = vec if self.acc is None else self.acc + vec
         tpe = getattr(out, "tokens_per_expert", None)
         if tpe:
-            stacked = torch.stack([t.detach().double() for t in tpe])
+            stacked = torch.stack([t.detach() for t in tpe]).double()
             self.experts = stacked if self.experts is None else self.experts + stacked
 
     def reduce(self) -> dict:
         """All-reduce (sum) over ranks; every rank must call it at the same step."""
-        n = len(SCALARS) + len(COUNTERS)
-        vec = self.acc.cpu() if self.acc is not None else torch.zeros(n, dtype=torch.float64)
-        vec = all_reduce_sum(vec)
+        n = len(SCALARS) + len(DEVICE_COUNTERS)
+        dev = self.acc.cpu() if self.acc is not None else torch.zeros(n, dtype=torch.float64)
+        vec = all_reduce_sum(torch.cat([dev, torch.from_numpy(self.host)]))
         sums = dict(zip(SCALARS, vec[: len(SCALARS)].tolist()))
-        cnt = dict(zip(COUNTERS, vec[len(SCALARS):].tolist()))
+        cnt = dict(zip(DEVICE_COUNTERS + HOST_COUNTERS, vec[len(SCALARS):].tolist()))
         experts = None
         if self.experts is not None:
             experts = all_reduce_sum(self.experts.cpu().clone())

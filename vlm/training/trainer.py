@@ -208,15 +208,22 @@ class Trainer:
             self.log_line(line)
 
     def _inputs(self, batch: dict) -> dict:
-        dev = self.ctx.model_device
-        inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids", "labels",
-                                                   "segment_ids") if batch.get(k) is not None}
+        """The model's inputs on its device: on CUDA each tensor is copied into pinned host memory, then to
+        the device with ``non_blocking`` (a copy from pageable memory would wait for the queued kernels)."""
+        dev = torch.device(self.ctx.model_device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if dev.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(dev, non_blocking=True)
+            return t.to(dev)
+        inputs = {k: move(batch[k]) for k in ("input_ids", "attention_mask", "position_ids", "labels",
+                                              "segment_ids") if batch.get(k) is not None}
         if batch.get("doc_layout") is not None:  # built by the collator on the host (moved in the model)
             inputs["doc_layout"] = batch["doc_layout"]
         if self.cfg.model.kind == "vlm":
             pix = batch.get("pixel_values")
             if pix is not None:
-                pix = pix.to(dev, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+                pix = move(pix).to(dtype=torch.bfloat16 if self.bf16 else torch.float32)
             inputs["pixel_values"] = pix
         return inputs
 
@@ -292,7 +299,9 @@ class Trainer:
         nonfinite_loss = None  # micro-batches with a non-finite loss, on the device (read if skipped)
         for _ in range(self.cfg.train.grad_accum):
             batch = self._next_batch(data_iter)
-            out = self.engine(**self._inputs(batch))
+            inputs = self._inputs(batch)
+            batch = {**batch, "device": inputs}  # callbacks read the moved tensors there (no second copy)
+            out = self.engine(**inputs)
             self._call("on_micro_batch", out, batch)
             bad = (~torch.isfinite(out.loss.detach())).sum()
             nonfinite_loss = bad if nonfinite_loss is None else nonfinite_loss + bad

@@ -20,7 +20,7 @@ from vlm.training.peak import resolve_peak
 def test_doc_tokens_sq_counts_each_document_of_a_packed_row():
     seg = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2, 0, 0],     # documents of 3 and 5 tokens, 2 pad
                         [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])    # one document of 10
-    assert doc_tokens_sq(seg, "cpu").item() == 3 ** 2 + 5 ** 2 + 10 ** 2
+    assert doc_tokens_sq(seg) == 3 ** 2 + 5 ** 2 + 10 ** 2
 
 
 class _Out:
@@ -152,3 +152,35 @@ def test_cpu_mfu_is_against_a_measured_peak_and_never_above_100_percent(tmp_path
     assert meter(1e9, 1) == {"mfu": 0.5}
     assert meter(3e9, 2) == {} and meter(4e9, 3) == {}
     assert len(said) == 1 and "no MFU" in said[0] and "1e+09 FLOP/s/device (test)" in said[0]
+
+
+class _ChunkOut:
+    """A chunking model's outputs for the window: losses, boundaries, boundary probabilities, expert loads."""
+
+    def __init__(self, loss: float, b, p):
+        self.loss = self.lm_loss = torch.tensor(loss)
+        self.ratio_loss, self.lb_loss, self.z_loss = torch.tensor(0.5), None, None
+        self.boundary_mask, self.boundary_probs = b, p
+        self.tokens_per_expert = [torch.tensor([3, 1]), torch.tensor([2, 2])]
+
+
+def test_window_counts_host_and_device_parts_of_a_vlm_batch():
+    """Host counts (tokens, image / text tokens, rows, documents) from the batch, device counts (boundaries,
+    probabilities, losses) from the outputs; a non-finite micro-batch adds no loss and is counted."""
+    IMG = 9
+    ids = torch.tensor([[IMG, IMG, IMG, IMG, 5, 6, 7, 0], [4, 5, 6, 7, 8, 6, 0, 0]])
+    mask = (torch.arange(8)[None] < torch.tensor([[7], [6]])).long()
+    b = torch.tensor([[1, 0, 1, 0, 1, 0, 1, 1], [1, 1, 0, 1, 0, 1, 1, 1]], dtype=torch.bool)  # pads: ignored
+    p = torch.full((2, 8), 0.25)
+    batch = {"input_ids": ids, "attention_mask": mask, "num_samples": 2}
+    stats = WindowStats(image_token_id=IMG)
+    stats.add(_ChunkOut(2.0, b, p), {**batch, "device": {"input_ids": ids, "attention_mask": mask}})
+    stats.add(_ChunkOut(float("nan"), b, p), batch)
+    rec = summarize(stats.reduce(), elapsed=1.0, world_size=1)
+    assert rec["tokens"] == 2 * 13 and rec["nonfinite_loss"] == 1
+    assert rec["loss"] == 2.0 and rec["ratio_loss"] == 0.5  # the finite micro-batch only
+    assert rec["ratio"] == pytest.approx(13 / 8)              # 4 + 4 boundaries at real tokens per micro-batch
+    assert rec["ratio_image"] == pytest.approx(4 / 2) and rec["ratio_text"] == pytest.approx(9 / 6)
+    assert rec["boundary_prob"] == pytest.approx(0.25)
+    assert rec["mean_row_len"] == 8 and rec["mean_doc_len"] == pytest.approx((7 ** 2 + 6 ** 2) / 13)
+    assert rec["expert_load"] == [[0.75, 0.25], [0.5, 0.5]]
