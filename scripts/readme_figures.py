@@ -206,7 +206,7 @@ def render_inference(run: dict) -> str:
     lines = ["| mode | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
     for n, label in names.items():
         c = [counts[b].get(n) for b in batches]
-        cells = ([cell(r, n, "median_s", lambda t: f"{t * 1e3:.3g} ms") for r in pre]
+        cells = ([cell(r, n, "median_s", lambda t: f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms") for r in pre]
                  + [cell(r, n, "ms_per_step", lambda t: f"{t:.3g} ms") for r in dec]
                  + [" / ".join(f"{x['ops_per_step']:,.0f}" if x else "n/a" for x in c),
                     " / ".join(f"{x['syncs_per_step']:.2f}" if x else "n/a" for x in c)])
