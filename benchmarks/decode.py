@@ -19,13 +19,15 @@ from benchmarks.harness import free_memory, interleaved
 from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
 from benchmarks.op_counter import count_steps
 from benchmarks.report import (
-    finish, fmt_median_iqr, fmt_num, fmt_pct, fmt_time, md_table, oom_reason, settings_line, write_results,
+    finish, fmt_median_iqr, fmt_num, fmt_pct, fmt_time, md_table, oom_reason, settings_line, speedup_targets,
+    targets_md, write_results,
 )
 
 NAME = "decode"
 PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
            "gpu": [1024, 2048, 4096, 8192, 16384, 32768]}
 REPS = {"smoke": 1, "cpu": 7, "gpu": 5}
+TARGETS = {8192: 0.20}  # issue 35 item 5 (GPU): least decode speedup per step at 8K KV
 BYTES_LEN = {"smoke": 128, "cpu": 2048}  # real-prefill length for the KV-bytes table on CPU (synthetic fill)
 
 
@@ -250,8 +252,12 @@ def run(argv=None) -> dict:
               "every timed step; 'KV after decode' = every cache of each model after the timed steps; ops = "
               "kernel-launching ATen ops, syncs = host reads of device data, per decode step (mean over "
               f"{max(every, 4 // every * every)} steps after a 16-token prefill; `benchmarks/op_counter.py`)\n")
+        targets = speedup_targets(results, "kv_len", TARGETS, "ConceptMoE decode speedup per step over the matched "
+                                  "MoE", s.is_cuda)
+        if targets:
+            md += "\n### Targets (issue 35)\n\n" + targets_md(targets)
         return {"pair": pair_info, "fill": fill_mode, "steps_per_measurement": steps, "batches": batches,
-                "results": results, "kv_bytes": kv, "counts": counts}, md
+                "results": results, "kv_bytes": kv, "counts": counts, "targets": targets}, md
 
     # latency -----------------------------------------------------------------------------------
     for B in batches:

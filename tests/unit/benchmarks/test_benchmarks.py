@@ -201,6 +201,22 @@ def test_inference_a_mode_that_cannot_run_is_reported(monkeypatch):
     assert set(r["ms_per_step"]) == {"hf_static"} and r["reference"] == "hf_static"
 
 
+def test_speedup_targets_judge_the_gpu_rows_only():
+    """prefill / decode's issue-35 targets: met or missed from the measured speedup at the target sizes, on
+    a GPU; elsewhere listed without a value or verdict."""
+    from benchmarks.report import speedup_targets, targets_md
+
+    rows = [{"seq_len": 1024, "speedup": {"median_of_ratios": 0.9}},
+            {"seq_len": 8192, "speedup": {"median_of_ratios": 0.30}},
+            {"seq_len": 32768, "speedup": {"median_of_ratios": 0.59}}, {"seq_len": 65536, "skipped": "oom"}]
+    gpu = speedup_targets(rows, "seq_len", prefill.TARGETS, "prefill", True)
+    assert [(t["size"], t["met"]) for t in gpu] == [(8192, True), (32768, False)]
+    assert "32,768, batch 1: +59.0% -> MISSED" in targets_md(gpu)
+    cpu = speedup_targets(rows, "seq_len", prefill.TARGETS, "prefill", False)
+    assert [(t["value"], t["met"]) for t in cpu] == [(None, None), (None, None)]
+    assert decode.TARGETS == {8192: 0.20}
+
+
 def test_inference_refuses_unknown_modes(tmp_path):
     with pytest.raises(SystemExit) as e:
         inference.run(["--smoke", "--out", str(tmp_path), "--modes", "ours,ours_fast"])
