@@ -35,10 +35,11 @@ class Mode:
 
 class Ours(Mode):
     """Our model's cached decoding (``start_decoding`` / ``prefill`` / ``step``); ``step_fn`` replaces
-    the step (a compiled or captured one) with the same signature as ``model.step``."""
+    the step (a compiled or captured one) with the same signature as ``model.step``, ``counted=False``
+    then (its kernels are not dispatched ATen ops)."""
 
-    def __init__(self, model, label: str, step_fn=None):
-        self.model, self.label = model, label
+    def __init__(self, model, label: str, step_fn=None, counted: bool = True):
+        self.model, self.label, self.counted = model, label, counted
         self.step_fn = step_fn or model.step
 
     def start(self, B, cap):

@@ -200,7 +200,8 @@ if wants bench; then
   bench prefill 50 --sizes 1024,8192,32768
   bench decode 75 --sizes 1024,8192 --batches 1,8
   # ours vs transformers' StaticCache (+ compile: two compiles, batch 1 and 8) on the same weights; the
-  # ConceptMoE vs its matched MoE is decode / prefill above, so the converted model is left out here
+  # ConceptMoE vs its matched MoE is decode / prefill above, so the converted model is left out here.
+  # Issue 35's part alone (about 5 minutes of limits): GPU_CHECK_STEPS=bench GPU_CHECK_BENCH=prefill,decode,inference
   bench inference 150 --sizes 1024,8192,32768 --decode-sizes 1024,8192 --batches 1,8 \
     --modes ours,hf_static,hf_static_compiled
   bench dechunk 30 --sizes 1024,16384
