@@ -1,7 +1,10 @@
 """Decode: per-token latency at long KV lengths, ConceptMoE vs matched MoE, plus KV-cache bytes.
 
 Both models hold a KV cache of N tokens (the ConceptMoE's concept layers N / R concepts) and are
-timed over the same consecutive decode steps, interleaved; KV bytes come from real caches.
+timed over the same consecutive decode steps, interleaved; KV bytes come from real caches (allocated:
+the k/v buffers the caches reserved; held: their valid entries). Per batch size, the kernel-launching
+ops and host syncs of a decode step are counted (``benchmarks/op_counter.py``; on the GPU pair, the
+32-layer speed pair of issue 35). Against transformers on the same weights: benchmarks/inference.py.
 
     python -m benchmarks.decode [--device cuda --dtype bfloat16] [--sizes 1K,8K] [--batches 1,8] [--smoke]
 """
@@ -14,14 +17,17 @@ import torch
 from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import free_memory, interleaved
 from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
+from benchmarks.op_counter import count_steps
 from benchmarks.report import (
-    finish, fmt_median_iqr, fmt_num, fmt_pct, fmt_time, md_table, oom_reason, settings_line, write_results,
+    finish, fmt_median_iqr, fmt_num, fmt_pct, fmt_time, md_table, oom_reason, settings_line, speedup_targets,
+    targets_md, write_results,
 )
 
 NAME = "decode"
 PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
            "gpu": [1024, 2048, 4096, 8192, 16384, 32768]}
 REPS = {"smoke": 1, "cpu": 7, "gpu": 5}
+TARGETS = {8192: 0.20}  # issue 35 item 5 (GPU): least decode speedup per step at 8K KV
 BYTES_LEN = {"smoke": 128, "cpu": 2048}  # real-prefill length for the KV-bytes table on CPU (synthetic fill)
 
 
@@ -61,6 +67,29 @@ def synthetic_fill(model, state, batch: int, N: int, seed: int = 0) -> None:
 
 def real_fill(model, state, ids) -> None:
     model.prefill(state, ids)
+
+
+def count_ops(models: dict, B: int, vocab: int, device, every: int) -> dict:
+    """Ops and host syncs per decode step of each model after a 16-token prefill at batch B, over a
+    whole number of concept periods (``every`` steps: one concept step, the rest token-only); under
+    no_grad (inference_mode hides scalar reads from the counter)."""
+    P, n = 16, max(every, 4 // every * every)
+    out = {}
+    with torch.no_grad():
+        for tag, m in models.items():
+            st = m.start_decoding(B, P + n + 2)
+            m.prefill(st, random_ids(B, P, vocab, device, seed=3))
+            tok = random_ids(B, 1, vocab, device, seed=5)[:, 0]
+            m.step(st, tok)  # outside the count: the first step after a prefill
+            out[tag] = count_steps(lambda m=m, st=st, tok=tok: m.step(st, tok), n)
+    return out
+
+
+def kv_after(state) -> dict:
+    """Allocated (reserved k/v buffers) and held (valid entries) bytes of every cache of ``state``."""
+    caches = list(state.token_caches) + list(state.concept_caches)
+    return {"allocated_bytes": sum(c.k.nbytes + c.v.nbytes for c in caches),
+            "held_bytes": sum(c.nbytes() for c in caches)}
 
 
 def cache_bytes(model, state) -> dict:
@@ -165,10 +194,16 @@ def run(argv=None) -> dict:
     log(f"KV bytes measured at {bytes_lens}")
 
     results, rows = [], []
+    counts = {B: count_ops(models, B, base_cfg.vocab_size, s.device, every) for B in batches}
+    for B, c in counts.items():
+        log(f"B={B}: ops / syncs per step: " + ", ".join(f"{t} {v['ops_per_step']:.0f} / {v['syncs_per_step']:.2f}"
+                                                         for t, v in c.items()))
 
     def report():
         lat_table = md_table(["batch", "KV length", "MoE per step", "ConceptMoE per step", "speedup",
                                 "predicted (FLOPs)", "predicted (bytes, B=1)", "tokens/s MoE / ConceptMoE",
+                                "ops per step MoE / ConceptMoE", "syncs per step MoE / ConceptMoE",
+                                "KV after decode, allocated / held: MoE; ConceptMoE",
                                 "concept KV after decode: allocated / held"], rows)
         kv_rows = []
         for r in kv:
@@ -214,9 +249,15 @@ def run(argv=None) -> dict:
               "'allocated' = the preallocated k/v buffers: token caches hold prompt + new tokens, concept caches "
               "ceil(capacity / R) + 16 slots (`DecodeState.allocate`), grown by 1/16 when a step finds one full "
               "(`generation.grown_capacity`); 'concept KV after decode' = the ConceptMoE's concept caches after "
-              "every timed step.\n")
+              "every timed step; 'KV after decode' = every cache of each model after the timed steps; ops = "
+              "kernel-launching ATen ops, syncs = host reads of device data, per decode step (mean over "
+              f"{max(every, 4 // every * every)} steps after a 16-token prefill; `benchmarks/op_counter.py`)\n")
+        targets = speedup_targets(results, "kv_len", TARGETS, "ConceptMoE decode speedup per step over the matched "
+                                  "MoE", s.is_cuda)
+        if targets:
+            md += "\n### Targets (issue 35)\n\n" + targets_md(targets)
         return {"pair": pair_info, "fill": fill_mode, "steps_per_measurement": steps, "batches": batches,
-                "results": results, "kv_bytes": kv}, md
+                "results": results, "kv_bytes": kv, "counts": counts, "targets": targets}, md
 
     # latency -----------------------------------------------------------------------------------
     for B in batches:
@@ -261,6 +302,7 @@ def run(argv=None) -> dict:
                    "moe_tokens_per_s": B / per_tok["moe"]["median"],
                    "concept_tokens_per_s": B / per_tok["concept"]["median"],
                    "concept_cache_entries_after": concept_entries, "concept_kv_after": concept_kv,
+                   "kv_after": {t: kv_after(states[t]) for t in models}, "counts": counts[B],
                    "fill": fill_mode, "raw_times": comp.times}
             results.append(res)
             m, c = per_tok["moe"], per_tok["concept"]
@@ -269,6 +311,10 @@ def run(argv=None) -> dict:
                          f"{fmt_pct(sp['ratio_q3'])}]", fmt_pct(pred["flops"]),
                          fmt_pct(pred["bytes_batch1"]) if B == 1 else "",
                          f"{res['moe_tokens_per_s']:.1f} / {res['concept_tokens_per_s']:.1f}",
+                         " / ".join(f"{counts[B][t]['ops_per_step']:,.0f}" for t in models),
+                         " / ".join(f"{counts[B][t]['syncs_per_step']:.2f}" for t in models),
+                         "; ".join(f"{fmt_num(res['kv_after'][t]['allocated_bytes'], 'B')} / "
+                                   f"{fmt_num(res['kv_after'][t]['held_bytes'], 'B')}" for t in models),
                          f"{fmt_num(concept_kv['allocated_bytes'], 'B')} / {fmt_num(concept_kv['held_bytes'], 'B')}"])
             log(f"B={B} N={N}: {fmt_time(m['median'])} vs {fmt_time(c['median'])} per step, speedup "
                 f"{fmt_pct(sp['median_of_ratios'])} (predicted FLOPs {fmt_pct(pred['flops'])})")

@@ -61,12 +61,15 @@ def load_hf(family: str, folder: Path, device, dtype):
     return model
 
 
-def load_ours(folder: Path, converted: Path, ratio: float, device, dtype, seed: int = 0):
-    """(plain import, ConceptMoE converted at ``ratio`` with strategy topk) of the saved checkpoint."""
+def load_ours(folder: Path, converted: Path, ratio: float, device, dtype, seed: int = 0, concept: bool = True):
+    """(plain import, ConceptMoE converted at ``ratio`` with strategy topk) of the saved checkpoint;
+    ``concept=False``: (plain import, None), nothing converted."""
     from vlm.convert import convert
     from vlm.hf_import import import_hf
 
     plain = import_hf(folder).to(device=device, dtype=dtype)
+    if not concept:
+        return plain, None
     _, con, _ = convert(folder, converted, ratio, "topk", seed=seed)
     return plain, con.to(device=device, dtype=dtype).eval()
 

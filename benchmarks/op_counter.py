@@ -88,9 +88,14 @@ def host_read(func, args, kwargs) -> str | None:
     return None
 
 
+INFERENCE_MODE = ("HostReadMode: under torch.inference_mode, .item() / int(tensor) do not reach a dispatch mode "
+                  "(they would count as no sync): count under torch.no_grad")
+
+
 class HostReadMode(TorchDispatchMode):
     """Calls ``self._read(label)`` for every host read of tensor data: the dispatched ones (``host_read``)
-    and ``.tolist()``, which reads outside the dispatcher (its own copy to the CPU is not counted again)."""
+    and ``.tolist()``, which reads outside the dispatcher (its own copy to the CPU is not counted again).
+    Refuses to run under ``torch.inference_mode`` (``INFERENCE_MODE``: a scalar read is invisible there)."""
 
     def __init__(self):
         super().__init__()
@@ -101,6 +106,8 @@ class HostReadMode(TorchDispatchMode):
         raise NotImplementedError
 
     def __enter__(self):
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(INFERENCE_MODE)
         mode, tolist = self, self._tolist
 
         def recording_tolist(t):
@@ -119,6 +126,8 @@ class HostReadMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled():  # entered outside, the counted code switched it on
+            raise RuntimeError(INFERENCE_MODE)
         if not self._quiet:
             label = host_read(func, args, kwargs)
             if label is not None:
@@ -184,3 +193,18 @@ def _to_host(func, args, kwargs) -> bool:
     dst = kwargs.get("device") if func.overloadpacket.__name__ == "_to_copy" else args[0].device
     return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None \
         and torch.device(dst).type == "cpu"
+
+
+def count_steps(step, n: int) -> dict:
+    """Kernel-launching ops and host reads of ``n`` calls of ``step`` (one decoding step each), counted
+    one call at a time: the mean per step, the fewest / most ops in one step (a ConceptMoE's concept
+    step runs more layers than its token-only step), and the distinct sync sites."""
+    ops, syncs, sites = [], [], set()
+    for _ in range(n):
+        with OpCounter() as oc:
+            step()
+        ops.append(oc.total())
+        syncs.append(len(oc.reads))
+        sites.update(f"{op} at {where}" + (f" ({why})" if why else "") for op, why, where in oc.reads)
+    return {"steps": n, "ops_per_step": sum(ops) / n, "ops_min": min(ops), "ops_max": max(ops),
+            "syncs_per_step": sum(syncs) / n, "sync_sites": sorted(sites)}

@@ -16,13 +16,14 @@ from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import free_memory, interleaved
 from benchmarks.model_pair import add_pair_args, build_model, load_pair, predicted_speedup, random_ids
 from benchmarks.report import (
-    finish, fmt_median_iqr, fmt_pct, md_table, oom_reason, settings_line, write_results,
+    finish, fmt_median_iqr, fmt_pct, md_table, oom_reason, settings_line, speedup_targets, targets_md, write_results,
 )
 
 NAME = "prefill"
 PRESETS = {"smoke": [64, 128], "cpu": [1024, 2048, 4096, 8192, 16384],
            "gpu": [1024, 2048, 4096, 8192, 16384, 32768, 65536]}
 REPS = {"smoke": 1, "cpu": 3, "gpu": 5}
+TARGETS = {8192: 0.25, 32768: 0.60}  # issue 35 item 5 (GPU): least prefill speedup at 8K and 32K tokens
 LARGE_CPU = 16384  # from here on, CPU runs (tens of seconds per forward) skip the warm-up round: the shorter
 # lengths before it have warmed everything up (first-call costs are < 1% of a 15-20 s forward)
 
@@ -100,7 +101,11 @@ def run(argv=None) -> dict:
               + "\n\nAccountant check (torch.utils.flop_counter.FlopCounterMode on one forward at "
               f"{min(s.sizes)} tokens, attention kernel excluded): counted / accountant FLOPs per token = "
               + ", ".join(f"{k} {v['counted_over_accountant']:.4f}" for k, v in flop_check.items()) + "\n")
-        return {"pair": pair_info, "flop_check": flop_check, "results": results}, md
+        targets = speedup_targets(results, "seq_len", TARGETS, "ConceptMoE prefill speedup over the matched MoE",
+                                  s.is_cuda)
+        if targets:
+            md += "\n### Targets (issue 35)\n\n" + targets_md(targets)
+        return {"pair": pair_info, "flop_check": flop_check, "results": results, "targets": targets}, md
 
     for N in s.sizes:
         ids = random_ids(1, N, base_cfg.vocab_size, s.device, seed=s.seed + N)

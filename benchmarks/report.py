@@ -124,3 +124,25 @@ def fmt_bytes(b: float | None) -> str:
 def fmt_ratio(st: dict) -> str:
     """``median [q1-q3]`` of a stats dict of plain ratios (x)."""
     return f"{st['median']:.2f}x [{st['q1']:.2f}-{st['q3']:.2f}]"
+
+
+def speedup_targets(results: list, size_key: str, minimum: dict, what: str, is_cuda: bool) -> list[dict]:
+    """Issue 35's GPU targets for the ConceptMoE's speedup over its matched MoE (``minimum``: size ->
+    least speedup) on the rows of ``results`` at those sizes; value and verdict on a GPU only (None
+    elsewhere: a CPU speedup says nothing about them)."""
+    out = []
+    for r in results:
+        if "skipped" in r or r[size_key] not in minimum:
+            continue
+        low, v = minimum[r[size_key]], r["speedup"]["median_of_ratios"] if is_cuda else None
+        out.append({"size": r[size_key], "batch": r.get("batch", 1), "what": f"GPU: {what} (>= {fmt_pct(low, 0)})",
+                    "value": v, "met": None if v is None else v >= low})
+    return out
+
+
+def targets_md(targets: list) -> str:
+    """The targets as markdown lines: value and met / MISSED / not measured on this device."""
+    return "".join(f"- {t['what']}, {t['size']:,}, batch {t['batch']}: "
+                   + ("n/a" if t["value"] is None else fmt_pct(t["value"])) + " -> "
+                   + ("not measured on this device" if t["met"] is None else "met" if t["met"] else "MISSED") + "\n"
+                   for t in targets)

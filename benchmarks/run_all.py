@@ -21,7 +21,7 @@ from benchmarks.cli import RESULTS
 from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
-BENCHMARKS = ("prefill", "decode", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel",
+BENCHMARKS = ("prefill", "decode", "inference", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel",
               "overhead", "vs_transformers")
 
 

@@ -12,7 +12,7 @@ R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figure
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
 (``prefill.json``, ``decode.json``: written by ``make bench``; ``vs_transformers.json`` and
 ``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``; ``overhead.json``: written by
-``python -m benchmarks.overhead``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
+``python -m benchmarks.overhead``; ``inference.json``: written by ``python -m benchmarks.inference``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -184,6 +184,54 @@ def render_overhead(run: dict) -> str:
             "(`benchmarks/results/overhead.json`).\n")
 
 
+INFERENCE_MODES = {"ours": "ours, plain MoE", "ours_R2": "ours, ConceptMoE R = 2 (converted)",
+                   "hf_static": "transformers StaticCache", "hf_static_compiled": "transformers StaticCache + compile"}
+
+
+def render_inference(run: dict) -> str:
+    """docs/performance.md's which-to-pick table (benchmarks/results/inference.json, benchmarks/inference.py):
+    times as ratios to transformers' compiled path from the same rounds, ops and syncs per decode step,
+    the targets' verdicts as the run computed them."""
+    pre, dec, counts = (run["results"][k] for k in ("prefill", "decode", "counts"))
+    names = {n: INFERENCE_MODES.get(n, n) for n in run["modes"]}
+    batches = list(counts)
+
+    def cell(r, n, key, fmt):
+        if n not in r[key]:
+            return "did not run" if n in r["failed"] else "= eager"
+        ratio = r["vs_reference"].get(n)
+        return fmt(r[key][n]) + (f" ({ratio['median']:.2f}x)" if ratio else "")
+    head = ([f"prefill {r['prompt']:,}" for r in pre] + [f"decode B={r['batch']}, KV {r['kv_len']:,}" for r in dec]
+            + [f"ops per step (B={' / '.join(batches)})", "syncs per step"])
+    lines = ["| mode | " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(head)]
+    for n, label in names.items():
+        c = [counts[b].get(n) for b in batches]
+        cells = ([cell(r, n, "median_s", lambda t: f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms") for r in pre]
+                 + [cell(r, n, "ms_per_step", lambda t: f"{t:.3g} ms") for r in dec]
+                 + [" / ".join(f"{x['ops_per_step']:,.0f}" if x else "n/a" for x in c),
+                    " / ".join(f"{x['syncs_per_step']:.2f}" if x else "n/a" for x in c)])
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "| target (issue 35) | value | verdict |", "| --- | ---: | --- |"]
+    for t in run["targets"]:
+        where = f"B={t['batch']}" + (f", KV {t['kv_len']:,}" if "kv_len" in t else "")
+        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        verdict = "not measured on this device" if t["met"] is None else "met" if t["met"] else "missed"
+        lines.append(f"| {names[t['mode']]}, {where}: {t['what']} | {value} | {verdict} |")
+    failed = sorted({f"{names[n]} ({kind}): {why}" for kind, rs in (("prefill", pre), ("decode", dec))
+                     for r in rs for n, why in r["failed"].items()})
+    def refs(rows):
+        return " / ".join(names.get(r, str(r)) for r in dict.fromkeys(r["reference"] for r in rows))
+    m, st, sh = run["machine"], run["settings"], run["shape"]
+    return ("\n" + "\n".join(lines) + "\n\n"
+            + ("Did not run: " + "; ".join(failed) + ".\n\n" if failed else "")
+            + f"Times (ratio to {refs(pre)} for the prefill, to {refs(dec)} for decode; '= eager': transformers' "
+            "generate runs its prefill eager); Qwen3-MoE with "
+            f"{sh['num_hidden_layers']} layers, hidden {sh['hidden_size']}, {sh['num_experts']} experts top-"
+            f"{sh['num_experts_per_tok']}; {m.get('gpu') or m['cpu']}, {st['dtype']}, torch threads {st['threads']}, "
+            f"{st['reps']} interleaved rounds; commit {m['git']}, load average {m['load_average_1_5_15'][0]:.2f} "
+            "(`benchmarks/results/inference.json`).\n")
+
+
 def rendered(results_dir: Path = RESULTS) -> dict[str, str]:
     """The demo run's figures (docs/results/train-vlm/)."""
     def load(name):
@@ -199,7 +247,7 @@ def rendered_bench(bench_dir: Path = BENCH) -> dict[str, str]:
 
     vs_hf = [load(name) for name in ("vs_transformers.json", "vs_transformers_8K.json") if (bench_dir / name).exists()]
     return {"bench": render_bench(load("prefill.json"), load("decode.json")), "vs_transformers": render_vs_transformers(vs_hf),
-            "overhead": render_overhead(load("overhead.json"))}
+            "overhead": render_overhead(load("overhead.json")), "inference": render_inference(load("inference.json"))}
 
 
 def rendered_tests(tests_dir: Path = TESTS) -> dict[str, str]:

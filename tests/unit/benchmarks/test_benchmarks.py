@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from benchmarks import (
-    attention, dechunk, decode, expert_parallel, moe, prefill, run_all, train, train_packed, vs_transformers,
+    attention, dechunk, decode, expert_parallel, inference, moe, prefill, run_all, train, train_packed,
+    vs_transformers,
 )
+from benchmarks.inference_modes import Mode
 from benchmarks.cli import parse_sizes
 from benchmarks.harness import interleaved, peak_memory, peak_memory_interleaved, stats
 from benchmarks.model_pair import build_model, load_pair, random_ids
@@ -48,6 +50,11 @@ def prefill_data(out_dir):
 @pytest.fixture(scope="module")
 def decode_data(out_dir):
     return _run(decode, out_dir)
+
+
+@pytest.fixture(scope="module")
+def inference_data(out_dir):  # transformers' compiled mode is left out: a CPU compile takes a minute
+    return _run(inference, out_dir, "--modes", "ours,ours_R2,hf_static")
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +120,107 @@ def test_decode_smoke(decode_data):
         assert r["concept_cache_entries_after"][0] >= r["kv_len"] // 2
         held, allocated = r["concept_kv_after"]["held_bytes"], r["concept_kv_after"]["allocated_bytes"]
         assert 0 < held <= allocated
+        for tag in ("moe", "concept"):
+            kv = r["kv_after"][tag]
+            assert 0 < kv["held_bytes"] <= kv["allocated_bytes"]
+        # a decode step: the plain MoE reads nothing on the host, the ConceptMoE its boundaries once
+        assert r["counts"]["moe"]["syncs_per_step"] == 0 and r["counts"]["concept"]["syncs_per_step"] == 1
+        assert r["counts"]["moe"]["ops_per_step"] > 0
     kv = decode_data["kv_bytes"][0]
     # concept layers hold 1/R of a baseline layer's bytes (within 5%), and match the formula
     assert abs(kv["concept_layer_rel_error_vs_1_over_R"]) < 0.05
     for tag in ("moe", "concept"):
         assert kv[tag]["measured_over_formula"]["total"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_inference_smoke(inference_data):
+    d = inference_data
+    assert d["modes"] == ["ours", "ours_R2", "hf_static"] and d["shape"] == inference.SHAPES["smoke"]
+    (pre,) = d["results"]["prefill"]
+    assert pre["logit_gap_ours_vs_hf"] < 1e-4  # the same weights: the same logits
+    assert pre["reference"] == "hf_static" and pre["vs_reference"]["hf_static"]["median"] == pytest.approx(1.0)
+    assert [(r["batch"], r["kv_len"]) for r in d["results"]["decode"]] == [(1, 32), (2, 32)]
+    for r in d["results"]["decode"]:
+        assert set(r["ms_per_step"]) == {"ours", "ours_R2", "hf_static"} and not r["failed"]
+        for kv in r["kv"].values():
+            assert 0 < kv["held_bytes"] <= kv["allocated_bytes"]
+    for B in ("1", "2"):
+        c = d["results"]["counts"][B]
+        assert c["ours"]["syncs_per_step"] == 0 and c["ours_R2"]["syncs_per_step"] == 1
+        assert c["hf_static"]["syncs_per_step"] == 0 and c["hf_static"]["ops_per_step"] > 0
+    syncs = [t for t in d["targets"] if t["what"].startswith("host syncs")]
+    assert len(syncs) == 4 and all(t["met"] for t in syncs)
+    assert all(t["met"] is None for t in d["targets"] if t["what"].startswith("GPU"))  # not on this device
+
+
+def test_inference_targets_follow_the_counts():
+    """Met / missed comes from the counts: more ops than transformers' StaticCache, or a sync the target
+    does not allow, is missed."""
+    def c(ops, syncs):
+        return {"ops_per_step": ops, "syncs_per_step": syncs}
+    counts = {1: {"ours": c(90, 0), "ours_R2": c(110, 1), "hf_static": c(100, 0)}}
+    got = {(t["mode"], t["what"].split(" (")[0]): t["met"] for t in inference.targets(counts, [], 4, False)}
+    assert got == {("ours", "decode ops per step / transformers' StaticCache"): True,
+                   ("ours", "host syncs per decode step"): True,
+                   ("ours_R2", "decode ops per step / transformers' StaticCache"): False,
+                   ("ours_R2", "host syncs per decode step"): True}
+    counts[1]["ours"] = c(90, 1)
+    assert not next(t for t in inference.targets(counts, [], 4, False)
+                    if t["mode"] == "ours" and t["what"].startswith("host syncs"))["met"]
+
+
+def test_inference_a_mode_that_cannot_run_is_reported(monkeypatch):
+    """A mode whose step raises (a compile unsupported here) is left out of the rounds and named in the
+    table with its reason; the other modes are still timed."""
+    from benchmarks.cli import Settings
+
+    class Broken(Mode):
+        label = "broken"
+
+        def start(self, B, cap):
+            return None
+
+        def prefill(self, cache, ids):
+            return None
+
+        def step(self, cache, tok, pos):
+            raise RuntimeError("backend cannot compile this\nsecond line")
+
+    class Fine(Broken):
+        label = "fine"
+
+        def step(self, cache, tok, pos):
+            return tok
+
+        def kv(self, cache, filled):
+            return {"allocated_bytes": 1, "held_bytes": 1}
+    s = Settings("inference", torch.device("cpu"), torch.float32, "smoke", [8], 1, 0, 1, None, 0, True)
+    modes = {"hf_static": Fine(), "hf_static_compiled": Broken()}
+    r = inference.bench_decode(modes, 1, 8, 2, 16, 100, s, lambda m: None)
+    assert r["failed"] == {"hf_static_compiled": "RuntimeError: backend cannot compile this"}
+    assert set(r["ms_per_step"]) == {"hf_static"} and r["reference"] == "hf_static"
+
+
+def test_speedup_targets_judge_the_gpu_rows_only():
+    """prefill / decode's issue-35 targets: met or missed from the measured speedup at the target sizes, on
+    a GPU; elsewhere listed without a value or verdict."""
+    from benchmarks.report import speedup_targets, targets_md
+
+    rows = [{"seq_len": 1024, "speedup": {"median_of_ratios": 0.9}},
+            {"seq_len": 8192, "speedup": {"median_of_ratios": 0.30}},
+            {"seq_len": 32768, "speedup": {"median_of_ratios": 0.59}}, {"seq_len": 65536, "skipped": "oom"}]
+    gpu = speedup_targets(rows, "seq_len", prefill.TARGETS, "prefill", True)
+    assert [(t["size"], t["met"]) for t in gpu] == [(8192, True), (32768, False)]
+    assert "32,768, batch 1: +59.0% -> MISSED" in targets_md(gpu)
+    cpu = speedup_targets(rows, "seq_len", prefill.TARGETS, "prefill", False)
+    assert [(t["value"], t["met"]) for t in cpu] == [(None, None), (None, None)]
+    assert decode.TARGETS == {8192: 0.20}
+
+
+def test_inference_refuses_unknown_modes(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        inference.run(["--smoke", "--out", str(tmp_path), "--modes", "ours,ours_fast"])
+    assert e.value.code == 2
 
 
 def test_moe_smoke(moe_data):
@@ -276,16 +379,16 @@ def test_peak_memory_variants_take_turns():
 
 
 @pytest.mark.integration  # its expert_parallel_data fixture starts ranks
-def test_summary(out_dir, prefill_data, decode_data, moe_data, train_data, train_packed_data, attention_data,
+def test_summary(out_dir, prefill_data, decode_data, inference_data, moe_data, train_data, train_packed_data, attention_data,
                  dechunk_data, expert_parallel_data, vs_transformers_data):
     assert run_all.main(["--summary-only", "--out", str(out_dir)]) == 0
     text = (out_dir / "SUMMARY.md").read_text()
-    for title in ("Prefill latency", "BEST CASE", "Decode latency", "MoE layer", "Training throughput",
+    for title in ("Prefill latency", "BEST CASE", "Decode latency", "Inference: which to pick", "MoE layer", "Training throughput",
                   "Training step on packed rows", "dense mask vs document layout", "Dechunk scaling",
                   "Expert parallelism", "Ours vs transformers"):
         assert title in text
     assert "| train_packed | ok, git " in text  # files of several runs: each names its commit
-    assert set(run_all.BENCHMARKS) >= {"train_packed", "attention", "dechunk", "expert_parallel", "vs_transformers"}
+    assert set(run_all.BENCHMARKS) >= {"inference", "train_packed", "attention", "dechunk", "expert_parallel", "vs_transformers"}
 
 
 def test_synthetic_fill_matches_real_prefill():

@@ -2,6 +2,7 @@
 op comes from; and the overhead benchmark's packed batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.op_counter import OpCounter, launches_kernel
@@ -58,3 +59,14 @@ def test_packed_batch_holds_docs_documents_with_restarting_positions():
     layout = b["doc_layout"]
     assert (layout.B, layout.T, layout.num_docs, layout.max_len) == (1, 512, DOCS, int(b["position_ids"].max()) + 1)
     assert "pieces" in layout.__dict__
+
+
+def test_a_scalar_read_under_inference_mode_is_refused_not_missed():
+    """Under torch.inference_mode, ``.item()`` / ``int(t)`` never reach a dispatch mode: a counter there
+    would report 0 syncs for a step that syncs, so it refuses to count; under no_grad the read is seen."""
+    t = torch.arange(4)
+    with torch.no_grad(), OpCounter() as oc:
+        int(t.max())
+    assert [op for op, _ in oc.unnamed_syncs()] == ["_local_scalar_dense"]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"), OpCounter():
+        int(t.max())

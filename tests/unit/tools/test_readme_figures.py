@@ -24,7 +24,7 @@ def _load(name: str) -> dict:
 def test_readme_figures_are_the_committed_runs():
     spans = figures.page_spans()
     expected = figures.all_figures()
-    assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "tests"}
+    assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "inference", "tests"}
     assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
         assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
@@ -133,3 +133,26 @@ def test_overhead_and_test_time_figures_move_with_their_files():
     unit = json.loads((figures.TESTS / "unit.json").read_text())
     text = figures.render_tests({**unit, "wall_s": 61.0, "load_before": 7.25})
     assert "in 1 min 01 s" in text and "load average 7.2" in text and unit["commit"] in text
+
+
+def test_inference_figures_move_with_their_file():
+    """docs/performance.md's which-to-pick table: each time, ratio and count moves with inference.json, a
+    mode that did not run says so, and each verdict is the one the run computed."""
+    import json
+
+    run = json.loads((figures.BENCH / "inference.json").read_text())
+    dec = run["results"]["decode"][0]
+    dec["ms_per_step"]["ours"] = 12.5
+    dec["vs_reference"]["ours"]["median"] = 0.4321
+    first_batch = next(iter(run["results"]["counts"]))
+    run["results"]["counts"][first_batch]["ours"]["ops_per_step"] = 4321
+    text = figures.render_inference(run)
+    row = next(line for line in text.splitlines() if line.startswith("| ours, plain MoE |"))
+    assert "12.5 ms (0.43x)" in row and "4,321" in row
+    del dec["ms_per_step"]["ours"]
+    dec["failed"]["ours"] = "RuntimeError: cannot"
+    text = figures.render_inference(run)
+    assert "did not run" in text and "Did not run: ours, plain MoE (decode): RuntimeError: cannot." in text
+    for met, word in ((True, "| met |"), (False, "| missed |"), (None, "| not measured on this device |")):
+        run["targets"] = [dict(run["targets"][0], met=met)]
+        assert word in figures.render_inference(run)
