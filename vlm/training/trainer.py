@@ -90,7 +90,8 @@ class Trainer:
         self.image_token_id = getattr(self.model_config, "image_token_id", None)
         self.processor = build_processor(model, self.tokenizer)
         counts = prepare_model(model, cfg, zero_stage=self.zero_stage, world_size=self.world_size,
-                               dtype=torch.bfloat16 if self.bf16 else torch.float32, log_line=self.log_line)
+                               dtype=torch.bfloat16 if self.bf16 else torch.float32, log_line=self.log_line,
+                               device=self.device)
         self.total_counts, self.trainable_counts = counts.total, counts.trainable
         self.ep_size = cfg.parallel.expert_parallel_size
         seed_everything(cfg.seed * 1000 + 1 + self.rank)
