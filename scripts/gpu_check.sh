@@ -24,7 +24,7 @@
 #
 # Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
 # GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,train,mfu,bench),
-# GPU_CHECK_BENCH (attention,moe,train-packed,prefill,decode,dechunk),
+# GPU_CHECK_BENCH (attention,moe,train-packed,prefill,decode,dechunk,fused-kernels),
 # GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
 # the whole script is one { ...; exit; } block: bash parses it before running, so editing the file
 # during a run cannot change what runs
@@ -36,7 +36,7 @@ ROOT=$PWD
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
-BENCHES=${GPU_CHECK_BENCH:-attention,moe,train-packed,prefill,decode,dechunk}
+BENCHES=${GPU_CHECK_BENCH:-attention,moe,train-packed,prefill,decode,dechunk,fused-kernels}
 DEVICE=${DEVICE:-cuda}
 KIT=${GPU_CHECK_KIT:-.gpu_kit}
 OUTDIR=${GPU_CHECK_OUT:-runs/gpu_check/out}
@@ -200,6 +200,8 @@ if wants bench; then
   bench prefill 50 --sizes 1024,8192,32768
   bench decode 60 --sizes 1024 --batches 1,8
   bench dechunk 30 --sizes 1024,16384
+  # each fused kernel vs our torch path at the 1B preset's shapes (train.fused_kernels: keep the faster)
+  bench fused-kernels 40 --sizes 32768
   step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 
