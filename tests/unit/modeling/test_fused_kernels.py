@@ -255,13 +255,14 @@ def test_swiglu_kernels_compile_for_a_gpu_without_one():
 
     if k.triton.knobs.runtime.interpret:
         pytest.skip("TRITON_INTERPRET is set for this process: the kernels are interpreted, not compiled")
-    const = {"HAS_RW": True, "BR": k.BR, "BI": k.BI}
-    sig = dict.fromkeys(const, "constexpr") | {"S": "i32", "I": "i32"}
-    for fn, ptrs in ((k._fwd, ("gu_ptr", "rw_ptr", "h_ptr")),
-                     (k._bwd, ("gu_ptr", "ghw_ptr", "rw_ptr", "hw_ptr", "ggu_ptr", "grw_ptr"))):
-        signature = dict.fromkeys(ptrs, "*bf16") | sig
-        compiled = triton_compile(ASTSource(fn, signature, constexprs=const), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"], fn
+    for has_rw in (True, False):
+        const = {"HAS_RW": has_rw, "BR": k.BR, "BI": k.BI}
+        sig = dict.fromkeys(const, "constexpr") | {"S": "i32", "I": "i32"}
+        for fn, ptrs in ((k._fwd, ("gu_ptr", "rw_ptr", "h_ptr")),
+                         (k._bwd, ("gu_ptr", "ghw_ptr", "rw_ptr", "hw_ptr", "ggu_ptr", "grw_ptr"))):
+            signature = dict.fromkeys(ptrs, "*bf16") | sig
+            compiled = triton_compile(ASTSource(fn, signature, constexprs=const), target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm["cubin"], (fn, has_rw)
 
 
 @pytest.mark.device
