@@ -89,6 +89,23 @@ def test_config_section_validates_each_kernel():
         load_train_config("configs/train/default.yaml", overrides=["train.fused_kernels.softmax=liger"])
 
 
+def test_prepare_model_says_the_choice_or_stops_on_a_fused_name_on_cpu():
+    """The trainer's ``prepare_model``: one line with ``auto``; a fused kernel by name on CPU stops it with
+    the config error line (before DeepSpeed is built)."""
+    from vlm.training.prepare import prepare_model
+
+    lines = []
+    cfg = load_train_config("configs/train/default.yaml", overrides=["model.kind=lm"])
+    prepare_model(build_model("tiny"), cfg, zero_stage=2, world_size=1, dtype=torch.float32, log_line=lines.append,
+                  device="cpu")
+    assert [x for x in lines if "fused kernels" in x] == [
+        "[train] fused kernels: torch paths for cross_entropy, rms_norm, swiglu "
+        "(auto: the fused kernels run on CUDA, the device is cpu)"]
+    cfg = load_train_config("configs/train/default.yaml", overrides=["model.kind=lm", "train.fused_kernels.swiglu=triton"])
+    with pytest.raises(fk.FusedKernelError, match="^config error: train.fused_kernels.swiglu=triton: the fused"):
+        prepare_model(build_model("tiny"), cfg, zero_stage=2, world_size=1, dtype=torch.float32, device="cpu")
+
+
 # the kernels under the interpreter --------------------------------------------------------------------
 def _interpreter_shims():
     """The two interpreter gaps of the module docstring, bridged on the freshly imported modules."""
