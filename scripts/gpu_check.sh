@@ -201,7 +201,7 @@ if wants bench; then
   bench decode 60 --sizes 1024 --batches 1,8
   bench dechunk 30 --sizes 1024,16384
   # each fused kernel vs our torch path at the 1B preset's shapes (train.fused_kernels: keep the faster)
-  bench fused-kernels 40 --sizes 32768
+  bench fused-kernels 60 --sizes 32768
   step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 
