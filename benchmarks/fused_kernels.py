@@ -7,7 +7,7 @@ Per kernel, the torch path and the fused one are two variants of the same interl
                  N x top_k rows over E experts (the GEMMs are the same; the difference is the activation)
 N = tokens per step (``--sizes``; the GPU MFU step packs ~30K), D / V / E / I / top_k from
 configs/model/mfu_1b.yaml. Also the peak memory of one call and the named host syncs per call
-(liger's fused CE reads the label count on the host). The verdict per kernel: ``keep`` when the fused
+(``syncs.host_sync``; none is expected). The verdict per kernel: ``keep`` when the fused
 one is faster in the median of per-round ratios; where it is not, ``fused_kernels.AUTO_ON_CUDA`` should
 say "torch" for it. On CPU the fused kernels cannot run (they are Triton on CUDA): the torch paths are
 timed alone (the rehearsal's smoke run).

@@ -204,6 +204,35 @@ class TestInterpreted:
             got = _grads(loss, h, w)
         _close(got, want)
 
+    def test_fused_loss_reads_nothing_on_the_host(self):
+        """No ``.item()`` / copy to the host in the fused loss, forward or backward (on CUDA each is a sync
+        in every step); liger's own loop reads the label count, which the detector sees."""
+        from benchmarks.op_counter import HostReadMode
+        from liger_kernel.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_forward
+
+        from vlm.modeling import liger_ops
+
+        class Reads(HostReadMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def _read(self, op):
+                self.seen.append(op)
+
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(18, 16, generator=g).requires_grad_()
+        w = torch.randn(50, 16, generator=g).requires_grad_()
+        labels = torch.randint(0, 50, (18,), generator=g)
+        labels[:3] = -100
+        assert liger_ops.chunk_rows(18, 16, 50) == 8  # three chunks, the last partial
+        with Reads() as ours:
+            (liger_ops.linear_cross_entropy_sum(h, w, labels) / 15).backward()
+        assert ours.seen == []
+        with Reads() as theirs:
+            fused_linear_cross_entropy_forward(h, w, labels, reduction="sum")
+        assert "_local_scalar_dense" in theirs.seen
+
     @pytest.mark.parametrize("weighted", [True, False])
     def test_triton_swiglu_equals_grouped_swiglu(self, weighted):
         """Three experts, rows past the last segment (zero outputs and gradients), I = 200 (two column
