@@ -168,15 +168,17 @@ def _close(got, want, **kw):
 
 @pytest.mark.usefixtures("interpreted")
 class TestInterpreted:
-    @pytest.mark.parametrize("shape", [(2, 5, 40), (2, 3, 4, 16)])  # hidden states, per-head q / k norms
-    def test_rms_norm_equals_torch(self, shape):
+    @pytest.mark.parametrize("shape, dtype", [((2, 5, 40), torch.float32), ((2, 3, 4, 16), torch.float32),
+                                              ((2, 5, 40), torch.bfloat16)])  # hidden states, per-head q / k norms
+    def test_rms_norm_equals_torch(self, shape, dtype):
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
+        x, w = torch.randn(shape, generator=g).to(dtype), torch.randn(shape[-1], generator=g).to(dtype)
         want = _grads(lambda x, w: fk.rms_norm(x, w, 1e-6), x, w)
         with fk.use(rms_norm="liger"):
             assert fk.IMPL["rms_norm"].__module__ == "vlm.modeling.liger_ops"
             got = _grads(lambda x, w: fk.rms_norm(x, w, 1e-6), x, w)
-        _close(got, want)
+        assert [t.dtype for t in got] == [dtype] * 3
+        _close(got, want, **({} if dtype == torch.float32 else BF16_TOL))
 
     def test_fused_linear_cross_entropy_equals_chunked_loss(self):
         """Labels shifted, -100 ignored (a padded tail and a masked prompt), the mean over label tokens;
@@ -233,14 +235,17 @@ class TestInterpreted:
             fused_linear_cross_entropy_forward(h, w, labels, reduction="sum")
         assert "_local_scalar_dense" in theirs.seen
 
-    @pytest.mark.parametrize("weighted", [True, False])
-    def test_triton_swiglu_equals_grouped_swiglu(self, weighted):
+    @pytest.mark.parametrize("weighted, dtype", [(True, torch.float32), (False, torch.float32),
+                                                 (True, torch.bfloat16)])
+    def test_triton_swiglu_equals_grouped_swiglu(self, weighted, dtype):
         """Three experts, rows past the last segment (zero outputs and gradients), I = 200 (two column
-        tiles, the second partial), S not a multiple of the row block."""
+        tiles, the second partial), S not a multiple of the row block; bf16: the torch path rounds
+        after each op, the kernel once (``BF16_TOL``)."""
         g = torch.Generator().manual_seed(0)
         S, D, I, E = 45, 8, 200, 3
         x, wgu = torch.randn(S, D, generator=g) * 0.5, torch.randn(E, D, 2 * I, generator=g) * 0.5
         wd, rw = torch.randn(E, I, D, generator=g) * 0.1, torch.rand(S, generator=g) if weighted else None
+        x, wgu, wd, rw = (t.to(dtype) if t is not None else None for t in (x, wgu, wd, rw))
         offs = torch.tensor([10, 10, 38], dtype=torch.int32)  # an empty expert too
         from vlm.modeling.expert_mlp_fused import GroupedSwiGLUFused
 
@@ -248,7 +253,8 @@ class TestInterpreted:
             return _grads(lambda x, a, b, r=None: fn.apply(x, offs, a, b, r), x, wgu, wd, rw)
 
         want, got = run(GroupedSwiGLU), run(GroupedSwiGLUFused)
-        _close(got, want)
+        assert all(t.dtype == dtype for t in got)
+        _close(got, want, **({} if dtype == torch.float32 else BF16_TOL))
         assert got[0][38:].abs().max() == 0 and got[1][38:].abs().max() == 0
         if weighted:
             assert got[4][38:].abs().max() == 0
