@@ -180,11 +180,12 @@ class TestInterpreted:
         assert [t.dtype for t in got] == [dtype] * 3
         _close(got, want, **({} if dtype == torch.float32 else BF16_TOL))
 
-    def test_fused_linear_cross_entropy_equals_chunked_loss(self):
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_fused_linear_cross_entropy_equals_chunked_loss(self, dtype):
         """Labels shifted, -100 ignored (a padded tail and a masked prompt), the mean over label tokens;
         gradients of the hidden states and the head's weight, also scaled by a later factor."""
         g = torch.Generator().manual_seed(0)
-        h, w = torch.randn(2, 9, 16, generator=g), torch.randn(50, 16, generator=g) * 0.3
+        h, w = torch.randn(2, 9, 16, generator=g).to(dtype), (torch.randn(50, 16, generator=g) * 0.3).to(dtype)
         labels = torch.randint(0, 50, (2, 9), generator=g)
         labels[0, :3] = -100
         labels[1, 6:] = -100
@@ -204,7 +205,8 @@ class TestInterpreted:
         want = _grads(loss, h, w)
         with fk.use(cross_entropy="liger"):
             got = _grads(loss, h, w)
-        _close(got, want)
+        assert [t.dtype for t in got] == [torch.float32, dtype, dtype]
+        _close(got, want, **({} if dtype == torch.float32 else BF16_TOL))
 
     def test_fused_loss_reads_nothing_on_the_host(self):
         """No ``.item()`` / copy to the host in the fused loss, forward or backward (on CUDA each is a sync
