@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vlm.config.train import TrainConfig
+from vlm.modeling.fused_kernels import resolve as resolve_fused_kernels
 from vlm.modeling.moe import EXPERT_LAYOUT
 from vlm.training import checkpoint as ckpt
 from vlm.training import optim, reshard
@@ -65,6 +66,9 @@ class Trainer:
         self.save_hook: ckpt.SaveHook = ckpt.NO_HOOK
         self.t_start = time.time()
         self.device = resolve_device(cfg.device)
+        # a fused kernel named where it cannot run (device, package): one line before anything is built;
+        # what depends on the model and the ZeRO stage is decided in prepare_model
+        resolve_fused_kernels(cfg.train.fused_kernels.model_dump(), self.device)
         info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
         self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
         self.is_main = self.rank == 0
