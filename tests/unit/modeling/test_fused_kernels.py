@@ -14,6 +14,7 @@ scalar: done here too), and ``libdevice.rsqrt`` (liger's RMSNorm) has no interpr
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import sys
@@ -284,7 +285,11 @@ class TestInterpreted:
         _close(got, want, atol=2e-5, rtol=1e-4)
 
     def test_compiled_block_with_fused_kernels_is_one_graph(self):
+        """One graph (Dynamo), and compiled by ``compile_blocks`` (aot_eager: the custom ops' fake
+        functions and registered backward traced) the eager block's outputs and gradients."""
         from test_compile_blocks import block_inputs, packed_batch
+
+        from vlm.training.compile import compile_blocks
 
         torch._dynamo.reset()
         try:
@@ -294,6 +299,17 @@ class TestInterpreted:
                 ex = torch._dynamo.explain(block)(*args, **kwargs)
                 assert ex.graph_break_count == 0, [r.reason.splitlines()[0] for r in ex.break_reasons]
                 assert ex.graph_count == 1
+                torch._dynamo.reset()
+                compiled = copy.deepcopy(block)
+                assert compile_blocks(compiled, backend="aot_eager") == 1
+                results = []
+                for b in (block, compiled):
+                    x = args[0].detach().clone().requires_grad_()
+                    y, stats = b(x, *args[1:], **kwargs)
+                    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+                    ((y * w).sum() + stats.lb_loss).backward()
+                    results.append([y, x.grad] + [p.grad for p in b.parameters()])
+                _close(results[1], results[0])
         finally:
             torch._dynamo.reset()
 
