@@ -31,8 +31,10 @@ AUTO_ON_CUDA = dict(FUSED)
 PACKAGE = {"liger": "liger_kernel", "triton": "triton"}
 DIST = {"liger": "liger-kernel (pip install -e '.[gpu]')", "triton": "triton"}
 
+TORCH = {"rms_norm": rms_norm_torch, "swiglu": GroupedSwiGLU, "cross_entropy": None}  # (the loss: chunked_lm_loss)
+
 ACTIVE = dict.fromkeys(FUSED, "torch")
-IMPL: dict = {"rms_norm": rms_norm_torch, "swiglu": GroupedSwiGLU, "cross_entropy": None}
+IMPL: dict = dict(TORCH)  # what the dispatch lines call
 
 
 class FusedKernelError(ConfigError):
@@ -47,7 +49,7 @@ def rms_norm(x, weight, eps: float):
 def _load(kernel: str, name: str):
     """The active implementation's callable (imported now: under TRITON_INTERPRET the tests' fresh modules)."""
     if name == "torch":
-        return {"rms_norm": rms_norm_torch, "swiglu": GroupedSwiGLU, "cross_entropy": None}[kernel]
+        return TORCH[kernel]
     if kernel == "swiglu":
         return importlib.import_module(f"{__package__}.expert_mlp_fused").GroupedSwiGLUFused
     ops = importlib.import_module(f"{__package__}.liger_ops")
