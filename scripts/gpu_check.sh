@@ -24,7 +24,7 @@
 #
 # Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
 # GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,train,mfu,bench),
-# GPU_CHECK_BENCH (attention,moe,train-packed,prefill,decode,inference,dechunk),
+# GPU_CHECK_BENCH (overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe),
 # GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
 # the whole script is one { ...; exit; } block: bash parses it before running, so editing the file
 # during a run cannot change what runs
@@ -36,7 +36,7 @@ ROOT=$PWD
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
-BENCHES=${GPU_CHECK_BENCH:-attention,moe,train-packed,prefill,decode,inference,dechunk}
+BENCHES=${GPU_CHECK_BENCH:-overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe}
 DEVICE=${DEVICE:-cuda}
 KIT=${GPU_CHECK_KIT:-.gpu_kit}
 OUTDIR=${GPU_CHECK_OUT:-runs/gpu_check/out}
@@ -194,17 +194,21 @@ if wants bench; then
     if [[ "$DEVICE" == cuda* ]]; then set -- --reps 3 "$@"; else set --; fi
     step "bench-$name" "$limit" "$PY" -m "benchmarks.${name//-/_}" "${B[@]}" "$@"
   }
-  bench attention 45 --sizes 8192,16384
-  bench moe 40 --sizes 64,1024,16384
-  bench train-packed 110 --sizes 8192 --calib-steps 100 --calib-max-steps 100
-  bench prefill 50 --sizes 1024,8192,32768
+  # most valuable first (issues 34 and 35): the training step's host overhead, the fused kernels' keep / drop
+  bench overhead 40 --sizes 512
+  # each fused kernel vs our torch path at the 1B preset's shapes (train.fused_kernels: keep the faster)
+  bench fused-kernels 60 --sizes 32768
   bench decode 75 --sizes 1024,8192 --batches 1,8
+  bench prefill 50 --sizes 1024,8192,32768
   # ours vs transformers' StaticCache (+ compile: two compiles, batch 1 and 8) on the same weights; the
   # ConceptMoE vs its matched MoE is decode / prefill above, so the converted model is left out here.
   # Issue 35's part alone (about 5 minutes of limits): GPU_CHECK_STEPS=bench GPU_CHECK_BENCH=prefill,decode,inference
   bench inference 150 --sizes 1024,8192,32768 --decode-sizes 1024,8192 --batches 1,8 \
     --modes ours,hf_static,hf_static_compiled
   bench dechunk 30 --sizes 1024,16384
+  bench train-packed 110 --sizes 8192 --calib-steps 100 --calib-max-steps 100
+  bench attention 45 --sizes 8192,16384
+  bench moe 40 --sizes 64,1024,16384
   step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 

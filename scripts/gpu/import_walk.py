@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = ("vlm", "vision_encoders", "data_pipelines", "eval_suites", "benchmarks", "scripts")
 # the benchmark modules gpu_check.sh runs (quick mode) + their summary
 DYNAMIC = ("find_spec", "import_module")
-BENCH_MODULES = ("prefill", "decode", "moe", "train", "attention", "dechunk", "train_packed", "run_all")
+BENCH_MODULES = ("prefill", "decode", "moe", "train", "attention", "dechunk", "train_packed", "fused_kernels",
+                 "run_all")
 
 
 def device_test_files() -> list[Path]:

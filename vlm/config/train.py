@@ -120,6 +120,14 @@ class LoraSection(Section):
         ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+class FusedKernelsSection(Section):
+    """Per kernel: auto (the fused one on CUDA where it can run, else the torch path, said in the log),
+    torch, or the fused one by name (an error where it cannot run); vlm/modeling/fused_kernels.py."""
+    cross_entropy: Literal["auto", "torch", "liger"] = "auto"  # liger's fused linear CE (no logits kept)
+    rms_norm: Literal["auto", "torch", "liger"] = "auto"  # liger's RMSNorm kernels
+    swiglu: Literal["auto", "torch", "triton"] = "auto"  # our Triton kernels of the experts' activation
+
+
 class TrainSection(Section):
     stage: Literal[STAGES] = "full"
     max_steps: PosInt = 100  # optimizer steps; the LR schedule spans exactly these
@@ -138,6 +146,7 @@ class TrainSection(Section):
     max_nonfinite_in_row: PosInt = 5  # this many skipped (non-finite) steps in a row abort the run
     lora: LoraSection | None = None  # null = off (full training of the lm part)
     compile: bool = False  # torch.compile each transformer block (vlm/training/compile.py)
+    fused_kernels: FusedKernelsSection = FusedKernelsSection()  # CUDA kernels for the loss, norms, SwiGLU
     # recompute in the backward: each block's FFN half (selective) or whole block (full); vlm/training/activation_checkpointing.py
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
 

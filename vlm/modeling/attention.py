@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .configuration_conceptmoe import AttentionConfig
 from .varlen import DocLayout, doc_attention
 
-from .rms_norm import rms_norm
+from .fused_kernels import rms_norm  # torch path: rms_norm.rms_norm (train.fused_kernels.rms_norm)
 
 IMPL = "varlen"  # "varlen": DocLayout for packed / padded rows | "dense": the T x T reference mask
 

@@ -34,6 +34,7 @@ from .cache import ConceptCache
 from .chunking import TEXT, ChunkModule
 from .conceptmoe import CompressionStats, ConceptMoEModel
 from .cross_entropy import cross_entropy_sum
+from .fused_kernels import ACTIVE as KERNELS_ACTIVE, IMPL as KERNELS
 from .generation import DecodeState, decode_step
 from .hf_features import generation_cache_key
 from .moe import MoEFeedForward
@@ -87,6 +88,8 @@ def chunked_lm_loss(head: nn.Module, hidden_BTD: torch.Tensor, labels_BT: torch.
     [chunk, V] are alive. Sum of the chunk sums / number of label tokens, as the reference. No host read."""
     h_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
     labels_N = shift_labels(labels_BT).reshape(-1)
+    if KERNELS_ACTIVE["cross_entropy"] != "torch":  # liger's fused linear CE (train.fused_kernels)
+        return KERNELS["cross_entropy"](h_ND, head.weight, labels_N) / (labels_N != -100).sum().clamp(min=1)
     chunk = chunk_tokens or max(1, CE_CHUNK_BYTES // (4 * head.out_features))
     total = h_ND.new_zeros((), dtype=torch.float32)
     # split, not slices: one gradient assembled for all chunks (each slice's would be zero-filled full size)

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 
 from .configuration_conceptmoe import MoEConfig
-from .expert_mlp import GroupedSwiGLU, grouped_swiglu_reference
+from .expert_mlp import grouped_swiglu_reference
 from .features import grouped_mm_ok
+from .fused_kernels import IMPL as KERNELS
 from .legacy_experts import fuse_legacy_gate_up
 from .syncs import host_sync
 from .token_reorder import gather_rows, inverse_order, scatter_sum
@@ -68,7 +69,7 @@ def grouped_swiglu(x_SD: torch.Tensor, offs_E: torch.Tensor, w_gate_up_ED2I, w_d
     Gate and up are one stored weight [E, D, 2I] and one grouped GEMM (``expert_mlp.GroupedSwiGLU``,
     whose backward recomputes the activation product instead of keeping it)."""
     if GROUPED_MM and grouped_mm_ok(x_SD.device.type, x_SD.dtype):
-        return GroupedSwiGLU.apply(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S)
+        return KERNELS["swiglu"].apply(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S)  # GroupedSwiGLU or fused
     with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints
         sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
     return grouped_swiglu_reference(x_SD, sizes, w_gate_up_ED2I, w_down_EID, rw_S)

@@ -5,7 +5,8 @@ the DeepSpeed engine, in one order:
    the blocks, so everything after sees the final modules, and the trainable flags are set before
    anything reads them;
 2. loss-only (``modeling_conceptmoe.loss_only``): training reads the losses and boundaries, never logits
-   (chunked CE, no [B, T, V]);
+   (chunked CE, no [B, T, V]); the fused kernels (``train.fused_kernels``, vlm/modeling/fused_kernels.py)
+   chosen for the device, the LM head (LoRA'd or not) and the ZeRO stage;
 3. recompute (``activation_checkpointing``): the checkpoint call sits in the block's forward ...
 4. ... so ``compile`` (``train.compile``) traces it with the block (and the LoRA adapters);
 5. expert parallelism (``expert_parallel``): each MoE layer keeps this rank's experts (the parameter
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from vlm.config.train import TrainConfig
+from vlm.modeling import fused_kernels
 from vlm.modeling.modeling_conceptmoe import loss_only
 from vlm.training import lora, optim
 from vlm.training.activation_checkpointing import apply_activation_checkpointing
@@ -42,13 +44,14 @@ class ParamCounts:
 
 
 def prepare_model(model: nn.Module, cfg: TrainConfig, *, zero_stage: int, world_size: int, dtype: torch.dtype,
-                  log_line: Callable[[str], None] = print) -> ParamCounts:
+                  log_line: Callable[[str], None] = print, device: str = "cpu") -> ParamCounts:
     """Steps 1-6 above on ``model``, in place, each that applies logging one line where it says more
     than the config."""
     trainable = optim.trainable_parts(cfg)
     trainable_counts = (lora.apply(model, cfg, trainable, log_line) if cfg.train.lora
                         else optim.apply_freeze(model, trainable))
     loss_only(model)
+    fused_kernels.configure(cfg.train.fused_kernels.model_dump(), device, model, zero_stage, log_line)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     ep_size = cfg.parallel.expert_parallel_size
     if cfg.train.compile:

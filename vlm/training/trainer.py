@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vlm.config.train import TrainConfig
+from vlm.modeling.fused_kernels import resolve as resolve_fused_kernels
 from vlm.modeling.moe import EXPERT_LAYOUT
 from vlm.training import checkpoint as ckpt
 from vlm.training import optim, reshard
@@ -67,6 +68,9 @@ class Trainer:
         self.save_hook: ckpt.SaveHook = ckpt.NO_HOOK
         self.t_start = time.time()
         self.device = resolve_device(cfg.device)
+        # a fused kernel named where it cannot run (device, package): one line before anything is built;
+        # what depends on the model and the ZeRO stage is decided in prepare_model
+        resolve_fused_kernels(cfg.train.fused_kernels.model_dump(), self.device)
         info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
         self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
         self.is_main = self.rank == 0
@@ -92,7 +96,8 @@ class Trainer:
         self.image_token_id = getattr(self.model_config, "image_token_id", None)
         self.processor = build_processor(model, self.tokenizer)
         counts = prepare_model(model, cfg, zero_stage=self.zero_stage, world_size=self.world_size,
-                               dtype=torch.bfloat16 if self.bf16 else torch.float32, log_line=self.log_line)
+                               dtype=torch.bfloat16 if self.bf16 else torch.float32, log_line=self.log_line,
+                               device=self.device)
         self.total_counts, self.trainable_counts = counts.total, counts.trainable
         self.ep_size = cfg.parallel.expert_parallel_size
         seed_everything(cfg.seed * 1000 + 1 + self.rank)

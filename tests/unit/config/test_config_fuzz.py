@@ -399,6 +399,10 @@ TRAIN_RULES = {
     "train.max_nonfinite_in_row": below(1),
     "train.compile": wrong_type("bool"),
     "train.activation_checkpointing": not_one_of(("none", "selective", "full")),
+    "train.fused_kernels": NOT_MAPPING,
+    "train.fused_kernels.cross_entropy": not_one_of(("auto", "torch", "liger")),
+    "train.fused_kernels.rms_norm": not_one_of(("auto", "torch", "liger")),
+    "train.fused_kernels.swiglu": not_one_of(("auto", "torch", "triton")),
     "train.lora": NOT_MAPPING,  # null = off
     "train.lora.r": below(1),
     "train.lora.alpha": bad_float(0, strict=True),

@@ -151,7 +151,7 @@ def _light_cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
                          "error: config error: train.lr: input should be a valid number, got 'abc'"),
         "unknown key": (["--config", default, "train.lrr=1"], 2,
                         "error: config error: train.lrr: unknown config key (known here: activation_checkpointing, betas, "
-                        "compile, eps, freeze, grad_accum, grad_clip, lora, lr, lr_mult, max_nonfinite_in_row, "
+                        "compile, eps, freeze, fused_kernels, grad_accum, grad_clip, lora, lr, lr_mult, max_nonfinite_in_row, "
                         "max_steps, micro_batch_size, min_lr_ratio, stage, stop_at_step, warmup_steps, weight_decay)"),
         "config file missing": (["--config", str(tmp / "nope.yaml")], 2,
                                 f"error: config error: file not found: {tmp / 'nope.yaml'}"),
