@@ -46,8 +46,8 @@ $(EVAL_DATA_STAMP): $(DATA_STAMP) eval_suites/build_tasks.py
 test: test-unit
 	$(PY) -m pytest -m integration $(PYTEST_ARGS)
 
-# OMP_NUM_THREADS=1: the evaluation plugin's thread policy then keeps the one thread of tests/conftest.py
-# (at all cores, OpenMP spin-waits made test_eval_loglikelihood 13x slower on a busy 2-core machine)
+# OMP_NUM_THREADS=1: one OpenMP thread per test process, as tests/conftest.py sets torch's (the evaluation
+# plugin's `cpu_threads: auto` reads it; at all cores, OpenMP spin-waits made tests 13x slower on 2 busy cores)
 test-unit: $(DATA_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
