@@ -56,16 +56,18 @@ def _per_step(reads: list[tuple[str, str | None, str]]) -> Counter:
     return Counter(why or f"UNNAMED {op} at {at}" for op, why, at in reads)
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("B", [1, 8])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_decode_step_reads_at_most_the_boundaries(preset, B):
+def test_decode_step_reads_at_most_the_boundaries(preset, B, decode):
     """``prefill`` + ``step`` (the low-level loop): the plain MoE's steps read nothing, the
-    ConceptMoE's exactly once each (named)."""
+    ConceptMoE's exactly once each (named); also the fixed-shape step (decode_graph.py, whose
+    graphs "compiled" captures), its first step building its buffers included."""
     model = _model(preset)
     ids, am = _prompt(B)
     steps = 6
     with torch.no_grad():
-        state = model.start_decoding(B, ids.shape[1] + steps + 1)
+        state = model.start_decoding(B, ids.shape[1] + steps + 1, decode=decode)
         tok = model.prefill(state, ids, attention_mask=am).argmax(-1)
         with HostReads() as hr:
             for _ in range(steps):
