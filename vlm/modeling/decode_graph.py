@@ -29,7 +29,14 @@ import torch
 
 from .chunking import ChunkCarry
 from .conceptmoe import ConceptMoEModel
-from .generation import DecodeState, boundary_read, concept_phase, decode_step, decoder_phase, token_phase
+from .generation import (
+    DecodeState,
+    boundary_read,
+    concept_phase,
+    decode_step,
+    decoder_phase,
+    token_phase,
+)
 
 log = logging.getLogger(__name__)
 
