@@ -135,7 +135,7 @@ class StaticStep:
             self._concept_k = state.concept_caches[0].k
 
 
-BACKEND = "inductor"  # torch.compile's backend for "compiled" (the unit tests: "aot_eager", no code generation)
+BACKEND = "inductor"  # torch.compile's backend for "compiled" (the unit tests: "eager", dynamo's trace without code generation)
 _COMPILED: dict = {}
 
 
