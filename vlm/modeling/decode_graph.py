@@ -10,7 +10,11 @@ results are copied into buffers. Each phase is then one graph of fixed shapes th
 - ``"static"``: the fixed-shape phases, eager (the reference of ``"compiled"``; any device);
 - ``"compiled"``: each phase under ``torch.compile(fullgraph=True)``: on CUDA ``mode="reduce-overhead"``
   (inductor's kernels replayed as CUDA graphs, every buffer marked a static address), on the CPU
-  inductor's default mode (there is no CUDA graph on the CPU).
+  inductor's default mode (there is no CUDA graph on the CPU);
+- ``"cudagraph"`` (CUDA only): each eager phase captured as a ``torch.cuda.CUDAGraph``: seconds instead
+  of inductor's minutes of compilation for a deep model, the eager kernels. A phase runs eagerly on a
+  side stream the first time (the warm-up ``torch.cuda.graph`` wants, and that step's real work), is
+  captured the second time and replayed (capture records without running) and every time after.
 
 The plain MoE's step is one graph. The ConceptMoE's is three (token phase, concept phase, decoder
 phase): the boundary read between the first two (the step's one host read) chooses whether the
@@ -23,6 +27,7 @@ that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concep
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -83,7 +88,8 @@ class StaticStep:
             self.io.update(b=torch.zeros(B, dtype=torch.bool, device=dev),
                            concept=torch.zeros(B, D, dtype=dtype, device=dev),
                            weight=torch.zeros(B, dtype=torch.float32, device=dev))
-        self._concept_k = None
+        self._concept_k = state.concept_caches[0].k if state.concept_caches else None
+        self._captured: dict = {}  # "cudagraph": phase graph -> its CUDAGraph, or None once warmed up
         self._mark_static(all_of_it=True)
 
     @torch.no_grad()
@@ -94,7 +100,10 @@ class StaticStep:
             raise ValueError(f"KV cache full (capacity {tokens[0].capacity})")
         for cache in state.concept_caches:  # growth between steps, never inside a graph
             cache.reserve()
-        self._mark_static()
+        if state.concept_caches and state.concept_caches[0].k is not self._concept_k:  # grown: new buffers
+            self._mark_static(grown=True)
+            self._captured.pop(concept_graph, None)
+            self._concept_k = state.concept_caches[0].k
         io["ids"].copy_(input_ids_B1)
         if not self.model.cfg.chunking:
             self._run(whole_graph)
@@ -113,26 +122,51 @@ class StaticStep:
         return io["out"].clone()
 
     def _run(self, graph) -> None:
+        if self.state.decode == "cudagraph":
+            return self._replay(graph)
         (compiled_graph(graph, self.cuda) if self.compiled else graph)(self.model, self.state, self.io)
 
-    def _mark_static(self, all_of_it: bool = False) -> None:
+    def _replay(self, graph) -> None:
+        """"cudagraph": warm up (eager, side stream), then capture, then replay (module docstring)."""
+        run = functools.partial(graph, self.model, self.state, self.io)
+        if graph not in self._captured:
+            warm_up(run)
+            self._captured[graph] = None
+            return
+        if self._captured[graph] is None:
+            self._captured[graph] = capture(run)
+        self._captured[graph].replay()
+
+    def _mark_static(self, all_of_it: bool = False, grown: bool = False) -> None:
         """CUDA graphs (compiled on CUDA): every buffer the graphs read or write is a static address;
         after a concept cache grew, its new buffers too. Unguarded: another state's buffers of the
         same shapes re-record the CUDA graphs instead of recompiling."""
         if not (self.compiled and self.cuda):
             return
         state = self.state
-        grown = bool(state.concept_caches) and state.concept_caches[0].k is not self._concept_k
-        if not (all_of_it or grown):
-            return
-        caches = state.concept_caches if not all_of_it else state.token_caches + state.concept_caches
+        caches = state.concept_caches if grown else state.token_caches + state.concept_caches
         tensors = [getattr(c, n) for c in caches for n in ("k", "v", "valid_BC", "len_B")]
         if all_of_it:
             tensors += [t for t in (getattr(state, n) for n in CARRY) if t is not None] + list(self.io.values())
         for t in tensors:
             torch._dynamo.mark_static_address(t, guard=False)
-        if state.concept_caches:
-            self._concept_k = state.concept_caches[0].k
+
+
+def warm_up(run) -> None:
+    """``run()`` eagerly on a side stream, as ``torch.cuda.graph`` wants before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def capture(run) -> torch.cuda.CUDAGraph:
+    """``run()`` recorded (not run) as a CUDA graph; ``replay()`` runs it on the same buffers."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 BACKEND = "inductor"  # torch.compile's backend for "compiled" (the unit tests: "eager", dynamo's trace without code generation)

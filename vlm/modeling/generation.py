@@ -23,9 +23,10 @@ from .syncs import host_sync
 
 
 # how decoding steps run (after the prefill): "eager" (``decode_step``: attends each cache up to its
-# length, a new shape every token), "static" (fixed shapes over the whole capacity, eager) or "compiled"
-# (the fixed-shape step under torch.compile, CUDA graphs on CUDA); decode_graph.py
-DECODE_MODES = ("eager", "static", "compiled")
+# length, a new shape every token), "static" (fixed shapes over the whole capacity, eager), "compiled"
+# (the fixed-shape step under torch.compile, CUDA graphs on CUDA) or "cudagraph" (the eager fixed-shape
+# step captured as CUDA graphs, no compilation; CUDA only); decode_graph.py
+DECODE_MODES = ("eager", "static", "compiled", "cudagraph")
 CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
 CONCEPT_GROWTH = 16  # a full concept cache grows by 1 / CONCEPT_GROWTH of its capacity (whole headroom pages)
 
@@ -105,7 +106,7 @@ class DecodeState(ChunkCarry):
         """Token caches of ``capacity`` slots; concept caches (``ConceptKVCache``) of
         ``concept_capacity(capacity, planned_ratio(cfg))``, grown when needed. ``decode``: one of
         ``DECODE_MODES``."""
-        check_decode(decode)
+        check_decode(decode, torch.device(device))
         cfg = model.cfg
         kv = cfg.num_key_value_heads
         n_concepts = concept_capacity(capacity, planned_ratio(cfg))
@@ -118,9 +119,12 @@ class DecodeState(ChunkCarry):
         return state
 
 
-def check_decode(decode: str) -> str:
+def check_decode(decode: str, device: torch.device | None = None) -> str:
     if decode not in DECODE_MODES:
         raise ValueError(f"decode={decode!r} is not a decoding mode: use one of {', '.join(DECODE_MODES)}")
+    if decode == "cudagraph" and device is not None and device.type != "cuda":
+        raise ValueError(f"decode='cudagraph' captures CUDA graphs: the model is on {device.type} "
+                         "(use 'static', or 'compiled' for torch.compile)")
     return decode
 
 

@@ -319,7 +319,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         """``GenerationMixin.generate`` on the concept cache (see the module docstring); the model runs
         in eval mode and returns to its previous mode. Left-padded batches only. ``decode``: how the
         steps after the prefill run (generation.DECODE_MODES; None: "eager", or a given cache's mode):
-        "compiled" is the captured step (CUDA graphs on CUDA, decode_graph.py)."""
+        "compiled" the step under torch.compile (CUDA graphs on CUDA), "cudagraph" captured without
+        compiling (CUDA only); decode_graph.py."""
         given = kwargs.get("cache", kwargs.get("past_key_values"))
         if decode is not None:
             check_decode(decode)

@@ -15,9 +15,9 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from vlm.modeling import decode_graph, generation
-from vlm.modeling.cache import ConceptCache
+from vlm.modeling.cache import ConceptCache, state_tensors
 
-from _device import dev, require_test_device  # noqa: F401
+from _device import cuda_only, dev, require_test_device  # noqa: F401
 from conftest import build_model, decisive, left_padded, randomise_joint
 
 pytestmark = pytest.mark.device
@@ -160,6 +160,78 @@ def test_decode_mode_is_checked():
         model.generate(ids, max_new_tokens=2, decode="compiled", use_cache=False)
     with pytest.raises(ValueError, match="the given cache decodes 'eager'"):
         model.generate(ids, max_new_tokens=2, decode="compiled", cache=ConceptCache(8))
+    if ids.device.type != "cuda":
+        with pytest.raises(ValueError, match="decode='cudagraph' captures CUDA graphs: the model is on cpu"):
+            model.generate(ids, max_new_tokens=2, decode="cudagraph")
+
+
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: ``capture`` records without running (so the warm-up step before
+    it must have done that step's work) and the addresses of every tensor the step holds; ``replay``
+    runs the step again and fails if any of those tensors moved (a real graph would write the old ones)."""
+    captures = 0
+
+    def __init__(self, run):
+        FakeGraph.captures += 1
+        self.run, self.ptrs = run, self._ptrs(run)
+
+    @staticmethod
+    def _ptrs(run) -> dict:
+        """(only the concept graph reads the concept caches: the others may outlive their growth)"""
+        _, state, io = run.args
+        held = {**state_tensors(state), **io}
+        if run.func is not decode_graph.concept_graph:
+            held = {k: t for k, t in held.items() if not k.startswith("concept_caches")}
+        return {k: t.data_ptr() for k, t in held.items()}
+
+    def replay(self):
+        assert self._ptrs(self.run) == self.ptrs, "a captured buffer moved"
+        self.run()
+
+
+@pytest.mark.parametrize("merge", ["last", "sum"])
+def test_cudagraph_sequence_on_the_cpu(merge, monkeypatch):
+    """The "cudagraph" mode's warm-up / capture / replay sequence with ``FakeGraph`` in place of CUDA:
+    greedy and beam search give the eager path's tokens while concept caches grow (planned for
+    R = 16 with 2 slots of headroom): each graph is captured once, the concept graph again after a
+    growth (at most once per growth), and no captured buffer ever moves (beam reordering copies into them)."""
+    monkeypatch.setattr(generation, "CONCEPT_HEADROOM", 2)
+    monkeypatch.setattr(decode_graph, "warm_up", lambda run: run())
+    monkeypatch.setattr(decode_graph, "capture", FakeGraph)
+    monkeypatch.setattr(generation, "check_decode", lambda decode, device=None: decode)  # (CUDA only otherwise)
+    monkeypatch.setattr(FakeGraph, "captures", 0)
+    growths, reserve = [], generation.ConceptKVCache.reserve
+
+    def counted(cache):
+        before = cache.capacity
+        reserve(cache)
+        growths.append(cache.capacity > before)
+    monkeypatch.setattr(generation.ConceptKVCache, "reserve", counted)
+    model = _model("tiny_concept", concept_merge=merge, target_ratio=16.0)
+    ids, am = dev(*left_padded(B=2, T=20, pad=3))
+    for beams in (1, 2):
+        kw = {"attention_mask": am, "do_sample": False, "num_beams": beams, "max_new_tokens": 24}
+        cache = ConceptCache(20 + 25, decode="cudagraph")
+        got = model.generate(ids, cache=cache, **kw)
+        assert torch.equal(got, model.generate(ids, **kw)), beams
+        grown = cache.state.concept_caches[0].capacity > -(-45 // 16) + 2
+        assert grown and len(cache.state.runner._captured) == 3
+    grown = sum(growths) // len(model.model.schedule)  # (every concept cache grows at the same step)
+    assert grown and 6 < FakeGraph.captures <= 6 + grown, (FakeGraph.captures, grown)
+
+
+@cuda_only  # not yet run on a GPU
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cudagraph_replays_the_static_step(preset):
+    """``decode="cudagraph"`` (bf16: the grouped GEMM serves it without a host read): the captured
+    phases replay the eager fixed-shape step exactly (the same kernels), over enough tokens that every
+    graph is warmed up, captured and replayed; beam search reorders the captured buffers in place."""
+    model = _model(preset).to(torch.bfloat16)
+    ids, am = dev(*left_padded(B=2, T=12, pad=4))
+    for beams in (1, 2):
+        kw = {"attention_mask": am, "do_sample": False, "num_beams": beams, "max_new_tokens": 16}
+        want = model.generate(ids, decode="static", **kw)
+        assert torch.equal(model.generate(ids, decode="cudagraph", **kw), want), beams
 
 
 @pytest.mark.integration  # in-process, but inductor generates and compiles C++ for each graph: 1-3 min cold
