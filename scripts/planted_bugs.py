@@ -112,6 +112,21 @@ PLANTS = [
   "        top_expert = experts_NK.max().item()  # a host read in the MoE's forward\n"
   "        y_ND, counts_E = self.experts_sorted(x_ND, weights_NK, experts_NK, keep_N)\n",
   "tests/unit/training/test_compile_blocks.py::test_one_block_is_one_graph"),
+ # issue 35, items 2-3: a host read in the fixed-shape step; the prefill's layouts back on the device
+ ("35-static-kv", "vlm/modeling/attention.py",
+  "            return self.k, self.v, self.valid_BC\n",
+  "            n = int(self.len_B.max()) + 1\n"
+  "            return self.k[:, :, :n], self.v[:, :, :n], self.valid_BC[:, :n]\n",
+  "tests/unit/modeling/test_decode_graph.py::test_each_phase_graph_has_no_graph_break"),
+ ("35-static-kv-sync", "vlm/modeling/attention.py",
+  "            return self.k, self.v, self.valid_BC\n",
+  "            n = int(self.len_B.max()) + 1\n"
+  "            return self.k[:, :, :n], self.v[:, :, :n], self.valid_BC[:, :n]\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_decode_step_reads_at_most_the_boundaries"),
+ ("35-prefill", "vlm/modeling/conceptmoe.py",
+  "        if state is not None and attention_mask is not None and doc_layout is None and segment_ids is None:\n",
+  "        if False:\n",
+  "tests/unit/modeling/test_decode_syncs.py::test_prefill_reads_only_the_mask_and_the_concept_counts"),
 ]
 
 

@@ -159,6 +159,11 @@ class KVCache:
     (``ragged`` False): every row writes at the same host-known slot and ``size`` is exact. Concept
     caches advance per row (``advance(commit_B)``): the bound grows by one per step unless the caller
     knows the exact maximum (``advance(..., size=)``: the decode step's boundary read).
+
+    ``static`` (host; the fixed-shape step of decode_graph.py): every row writes at its ``len_B`` and a
+    step attends all ``capacity`` slots with the ``valid_BC`` mask, as transformers' ``StaticCache``
+    does, so no shape and no host value changes from one token to the next (a captured graph replays
+    it); ``step`` and ``advance`` then leave ``size`` to the caller, outside the captured step.
     """
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -170,6 +175,7 @@ class KVCache:
         self.size = 0  # host: >= every row's len_B (exact when not ragged)
         self.ragged = False  # host: rows may hold different lengths
         self.dense = False  # host: every slot below ``size`` is valid (no left padding): no key mask
+        self.static = False  # host: fixed shapes (see the class docstring)
 
     @property
     def capacity(self) -> int:
@@ -195,7 +201,14 @@ class KVCache:
 
     def step(self, k_BH1D: torch.Tensor, v_BH1D: torch.Tensor):
         """Write one new entry per row at ``len_B``; returns keys, values and the key mask [B, S]
-        (None: all valid) over the S = size + 1 slots any row may hold. No device read."""
+        (None: all valid) over the S = size + 1 slots any row may hold (``static``: all capacity slots,
+        S = capacity, the caller having checked the room). No device read."""
+        if self.static:
+            rows = torch.arange(self.k.shape[0], device=self.k.device)
+            self.k[rows, :, self.len_B] = k_BH1D[:, :, 0]
+            self.v[rows, :, self.len_B] = v_BH1D[:, :, 0]
+            self.valid_BC[rows, self.len_B] = True
+            return self.k, self.v, self.valid_BC
         s = self.size
         if s >= self.capacity:
             raise ValueError(f"KV cache full (capacity {self.capacity})")
@@ -214,12 +227,14 @@ class KVCache:
     def advance(self, commit_B: torch.Tensor | None = None, size: int | None = None) -> None:
         """Keep the entry written by the last ``step`` for rows in ``commit_B`` (all rows if None).
         ``size``: the exact longest row after this advance, when the host knows it (else the bound
-        grows by one)."""
-        self.size = self.size + 1 if size is None else int(size)
+        grows by one; ``static``: the caller updates ``size``)."""
+        if not self.static:
+            self.size = self.size + 1 if size is None else int(size)
         if commit_B is None:
             self.len_B += 1
             return
-        self.ragged, self.dense = True, False
+        if not self.static:
+            self.ragged, self.dense = True, False
         rows = torch.arange(self.k.shape[0], device=self.k.device)
         self.valid_BC[rows, self.len_B] = commit_B.bool()
         self.len_B += commit_B.long()

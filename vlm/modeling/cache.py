@@ -16,30 +16,37 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import KVCache
-from .generation import DecodeState
+from .generation import DecodeState, check_decode
 
 
-def _select(value, index_B: torch.Tensor):
-    """``value`` with its batch rows taken at ``index_B`` (tensors, KV caches and lists of them)."""
+def _select(value, index_B: torch.Tensor, in_place: bool):
+    """``value`` with its batch rows taken at ``index_B`` (tensors, KV caches and lists of them);
+    ``in_place``: into the same tensors (same batch size)."""
     if value is None:
         return None
     if torch.is_tensor(value):
-        return value.index_select(0, index_B.to(value.device))
+        rows = value.index_select(0, index_B.to(value.device))
+        return value.copy_(rows) if in_place else rows
     if isinstance(value, KVCache):
         for name, tensor in vars(value).items():
             if torch.is_tensor(tensor):  # (the host fields hold for every row: bounds, flags)
-                setattr(value, name, _select(tensor, index_B))
+                setattr(value, name, _select(tensor, index_B, in_place))
         return value
     if isinstance(value, list):
-        return [_select(v, index_B) for v in value]
+        return [_select(v, index_B, in_place) for v in value]
     raise TypeError(f"select_rows: cannot select batch rows of a {type(value).__name__}")
 
 
 def select_rows(state: DecodeState, index_B: torch.Tensor) -> DecodeState:
     """Rows ``index_B`` of every tensor of ``state`` (in place; also returned): beam reordering, or
-    ``repeat_interleave`` with a repeated index."""
+    ``repeat_interleave`` with a repeated index. A state with a fixed-shape step (``state.runner``,
+    decode_graph.py) keeps its buffers: beam reordering copies into them; another batch size drops
+    the step (rebuilt on the new tensors at the next token)."""
+    in_place = state.runner is not None and index_B.shape[0] == state.next_pos_B.shape[0]
+    if state.runner is not None and not in_place:
+        state.runner = None
     for f in dataclasses.fields(state):
-        setattr(state, f.name, _select(getattr(state, f.name), index_B))
+        setattr(state, f.name, _select(getattr(state, f.name), index_B, in_place))
     return state
 
 
@@ -59,11 +66,13 @@ def state_tensors(state: DecodeState) -> dict[str, torch.Tensor]:
 
 
 class ConceptCache(Cache):
-    """One ``DecodeState`` for ``generate``. ``capacity``: token slots per token layer (prompt + new)."""
+    """One ``DecodeState`` for ``generate``. ``capacity``: token slots per token layer (prompt + new);
+    ``decode``: how the steps after the prefill run (generation.DECODE_MODES, decode_graph.py)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, decode: str = "eager"):
         super().__init__(layers=[])
         self.capacity = int(capacity)
+        self.decode = check_decode(decode)
         self.state: DecodeState | None = None
 
     @property
@@ -96,6 +105,7 @@ class ConceptCache(Cache):
         if capacity <= self.capacity:
             return
         if self.started:
+            self.state.runner = None  # new token buffers: the fixed-shape step is rebuilt on them
             for kv in self.state.token_caches:
                 extra = capacity - kv.capacity
                 kv.k = torch.cat([kv.k, kv.k.new_zeros(*kv.k.shape[:2], extra, kv.k.shape[3])], 2)
@@ -119,4 +129,4 @@ class ConceptCache(Cache):
         return int(self.state.next_pos_B.shape[0]) if self.started else -1
 
     def __repr__(self) -> str:
-        return f"ConceptCache(capacity={self.capacity}, seq_length={self.get_seq_length()})"
+        return f"ConceptCache(capacity={self.capacity}, seq_length={self.get_seq_length()}, decode={self.decode!r})"

@@ -237,7 +237,8 @@ class ChunkModule(nn.Module):
         return loss
 
     # concepts -----------------------------------------------------------------------------------
-    def form_concepts(self, h_BTD, b_BT, p_BT, valid_BT, segment_BT, capacity: int | None = None) -> Concepts:
+    def form_concepts(self, h_BTD, b_BT, p_BT, valid_BT, segment_BT, capacity: int | None = None,
+                      length: int | None = None) -> Concepts:
         """The concept sequence, no boolean indexing. Concept m of a row starts at its (m+1)-th
         boundary, found by ``searchsorted`` on the running boundary count and read with ``gather``;
         "sum" adds the tokens into their slots (``index_put`` accumulate, non-member tokens add zeros).
@@ -246,7 +247,8 @@ class ChunkModule(nn.Module):
         Its length M: None reads the longest row's count (one named host sync); ``capacity`` (a host
         int >= T) is used as M with no device read: a concept starts at a real token, so no row has
         more than T and none is dropped; slots past a row's count are padding (``valid_BM`` False,
-        zeros, p = 0). A tighter capacity would need an exact overflow path (docs/model.md)."""
+        zeros, p = 0). A tighter capacity would need an exact overflow path (docs/model.md). ``length``:
+        M itself, read by the caller (the longest row's count, at least 1), no read here."""
         B, T, D = h_BTD.shape
         cum_BT = b_BT.long().cumsum(1)
         index_BT = torch.where(valid_BT, cum_BT - 1, -1)
@@ -255,6 +257,8 @@ class ChunkModule(nn.Module):
             if capacity < T:
                 raise ValueError(f"concept capacity {capacity} < {T} tokens per row could drop concepts")
             M = max(capacity, 1)
+        elif length is not None:
+            M = length
         else:
             M = concept_len(count_B)
         arange_M = torch.arange(M, device=h_BTD.device)[None].expand(B, M)

@@ -21,13 +21,18 @@ from .configuration_conceptmoe import ConceptMoEConfig
 from . import attention, varlen
 from .attention import RMSNorm, rope_cos_sin
 from .blocks import TransformerBlock
-from .chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
+from .chunking import CONCEPT_SYNC, IMAGE, ChunkModule, achieved_ratio, concept_counts
 from .dechunk import dechunk
 from .syncs import host_sync
 
 PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
             "layout); packed rows skip it, their layout covers the padding")
 
+
+PROMPT_SYNC = ("prefill: the prompt's attention mask copied to the host once, before any kernel is queued; its "
+               "padding check and token layout are computed on that copy (HOST_LAYOUT)")
+HOST_LAYOUT = ("prefill: the padding checks and document layouts computed on the host (the copy of the attention "
+               "mask, the concept counts; CPU tensors, no device read: named so that a CPU-only count tells them apart)")
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 
@@ -144,7 +149,12 @@ class ConceptMoEModel(nn.Module):
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                 segment_ids=None, modality_ids=None, state=None, doc_layout=None) -> BackboneOutput:
         """``doc_layout``: the token stack's `DocLayout` of these ``attention_mask`` / ``segment_ids``, built
-        on the host (``data_pipelines.collate``: packed batches carry it); None builds it here."""
+        on the host (``data_pipelines.collate``: packed batches carry it); None builds it here, or for the
+        prefill (``state``) on a host copy of the mask (``prompt_layout``: one read, before any kernel)."""
+        host = None
+        if state is not None and attention_mask is not None and doc_layout is None and segment_ids is None:
+            host = prompt_layout(attention_mask)
+            doc_layout = host[1]
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
         valid_BT = attention_mask.bool() if attention_mask is not None else \
@@ -152,7 +162,10 @@ class ConceptMoEModel(nn.Module):
         if position_ids is None:
             position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
         # one mask per stack, shared by its layers: a DocLayout (per document, no T x T) or None
-        mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
+        if host is not None:
+            mvalid = valid_BT if host[0] else None
+        else:
+            mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
         mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (mvalid, T)  # token caches: every row continues at slot T; None: no padding
@@ -165,13 +178,20 @@ class ConceptMoEModel(nn.Module):
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
             h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
-                              mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None, x.device), doc_layout)
+                              mask, stats, out, state, tok_fill, self._concept_capacity(T, doc_layout, state, x.device),
+                              doc_layout)
         out.hidden_BTD = self.norm(h)
         if stats:
             out.lb_loss = torch.stack([s.lb_loss for s in stats]).mean()
             out.z_loss = torch.stack([s.z_loss for s in stats]).mean()
             out.tokens_per_expert = [s.tokens_per_expert for s in stats]
         return out
+
+    @staticmethod
+    def _concept_capacity(T: int, doc_layout, state, device) -> int | None:
+        """``concept_capacity``; the prefill (``state``) reads the concept count: the concept caches are
+        filled with it and sized by it (capacity T would make them as large as the token caches)."""
+        return None if state is not None else concept_capacity(T, doc_layout is not None, device)
 
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
                  stats, out, state, tok_fill, capacity=None, doc_layout=None):
@@ -180,12 +200,20 @@ class ConceptMoEModel(nn.Module):
         b_BT, p_BT = ch.boundaries(h, valid_BT, position_ids, segment_ids, modality_ids, carry=state)
         if state is None:  # (generation: no training losses)
             out.ratio_loss = ch.aux_loss(p_BT, b_BT, valid_BT, modality_ids)
-        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids, capacity)
+        counts = None
+        if state is not None and capacity is None and segment_ids is None:  # the prefill: one read of the counts
+            counts = prompt_concept_counts(b_BT)
+        con = ch.form_concepts(h, b_BT, p_BT, valid_BT, segment_ids, capacity,
+                               length=None if counts is None else max(max(counts), 1))
         c_in = self.to_concept(con.x_BMD)
         cmask = None
         if capacity is not None and doc_layout is not None:  # from the host's token layout: no device read
             cval = con.valid_BM
             cmask = self._concept_layout(mask if isinstance(mask, varlen.DocLayout) else doc_layout, b_BT, c_in)
+        elif counts is not None:  # the concepts' padding and layout from the host's counts: no device read
+            clayout = concept_layout_from_counts(counts, c_in.shape[1])
+            cval = None if clayout is None else con.valid_BM
+            cmask = attention.attention_mask(cval, None, c_in.shape[1], h.device, layout=clayout)
         else:
             cval = padding(con.valid_BM, con.segment_BM)
         if cmask is None:
@@ -233,6 +261,38 @@ def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> t
     with host_sync(PAD_SYNC):
         has_pad = not bool(valid_BT.all())
     return valid_BT if has_pad else None
+
+
+def prompt_layout(attention_mask: torch.Tensor) -> tuple[bool, varlen.DocLayout | None]:
+    """(whether the prompt holds padding, its token `DocLayout` built on the host or None without padding)
+    from one copy of ``attention_mask`` to the host, made before the prefill queues any kernel."""
+    with host_sync(PROMPT_SYNC):
+        valid_BT = attention_mask.detach().to("cpu", torch.bool)
+    with host_sync(HOST_LAYOUT):
+        if bool(valid_BT.all()):
+            return False, None
+        layout = varlen.DocLayout.build(valid_BT, None, reason=HOST_LAYOUT)
+        layout.__dict__["pieces"] = layout._pieces()  # (the CPU loop kernel's list, here on the host too)
+    return True, layout
+
+
+def prompt_concept_counts(b_BT: torch.Tensor) -> list[int]:
+    """The prefill's concepts per row, read once (``CONCEPT_SYNC``: M is the concept sequence's length; the
+    same transfer gives every row's count, so the concept stack's padding and layout need no other read)."""
+    with host_sync(CONCEPT_SYNC):
+        return b_BT.long().sum(1).tolist()
+
+
+def concept_layout_from_counts(counts: list[int], M: int) -> varlen.DocLayout | None:
+    """The concept stack's `DocLayout` for rows of ``counts`` concepts right-padded to M, built on the host
+    (None: no padding, plain causal attention)."""
+    if min(counts) == M:
+        return None
+    with host_sync(HOST_LAYOUT):
+        valid_BM = torch.arange(M)[None] < torch.tensor(counts)[:, None]
+        layout = varlen.DocLayout.build(valid_BM, None, reason=HOST_LAYOUT)
+        layout.__dict__["pieces"] = layout._pieces()
+    return layout
 
 
 class CompressionStats(Mapping):

@@ -22,6 +22,11 @@ from .conceptmoe import ConceptMoEModel
 from .syncs import host_sync
 
 
+# how decoding steps run (after the prefill): "eager" (``decode_step``: attends each cache up to its
+# length, a new shape every token), "static" (fixed shapes over the whole capacity, eager), "compiled"
+# (the fixed-shape step under torch.compile, CUDA graphs on CUDA) or "cudagraph" (the eager fixed-shape
+# step captured as CUDA graphs, no compilation; CUDA only); decode_graph.py
+DECODE_MODES = ("eager", "static", "compiled", "cudagraph")
 CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
 CONCEPT_GROWTH = 16  # a full concept cache grows by 1 / CONCEPT_GROWTH of its capacity (whole headroom pages)
 
@@ -90,11 +95,18 @@ class DecodeState(ChunkCarry):
     token_caches: list
     concept_caches: list
     next_pos_B: torch.Tensor | None = None
+    # host, not dataclass fields (``select_rows`` walks the fields): how later tokens are decoded
+    # (DECODE_MODES) and the fixed-shape step that decodes them (decode_graph.StaticStep)
+    decode = "eager"
+    runner = None
 
     @classmethod
-    def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype) -> "DecodeState":
+    def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype,
+                 decode: str = "eager") -> "DecodeState":
         """Token caches of ``capacity`` slots; concept caches (``ConceptKVCache``) of
-        ``concept_capacity(capacity, planned_ratio(cfg))``, grown when needed."""
+        ``concept_capacity(capacity, planned_ratio(cfg))``, grown when needed. ``decode``: one of
+        ``DECODE_MODES``."""
+        check_decode(decode, torch.device(device))
         cfg = model.cfg
         kv = cfg.num_key_value_heads
         n_concepts = concept_capacity(capacity, planned_ratio(cfg))
@@ -102,7 +114,18 @@ class DecodeState(ChunkCarry):
         tokens = [KVCache(batch, kv, capacity, layer.attn.head_dim, device, dtype) for layer in token_layers]
         concept = [ConceptKVCache(batch, kv, n_concepts, model.concept_model[i].attn.head_dim, device, dtype)
                    for i in model.schedule]
-        return cls(tokens, concept)
+        state = cls(tokens, concept)
+        state.decode = decode
+        return state
+
+
+def check_decode(decode: str, device: torch.device | None = None) -> str:
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode={decode!r} is not a decoding mode: use one of {', '.join(DECODE_MODES)}")
+    if decode == "cudagraph" and device is not None and device.type != "cuda":
+        raise ValueError(f"decode='cudagraph' captures CUDA graphs: the model is on {device.type} "
+                         "(use 'static', or 'compiled' for torch.compile)")
+    return decode
 
 
 BOUNDARY_SYNC = ("decode: the boundary decision (whether any row runs the concept step) and the concept caches' "
@@ -181,10 +204,11 @@ def boundary_read(b_B: torch.Tensor, concept_caches: list) -> tuple[list[bool], 
     return [bool(v) for v in values[:B]], values[B:] or [0] * B
 
 
-def concept_phase(model: ConceptMoEModel, state: DecodeState, concept_BD, weight_B, commit_B, size: int) -> None:
+def concept_phase(model: ConceptMoEModel, state: DecodeState, concept_BD, weight_B, commit_B,
+                  size: int | None) -> None:
     """The concept model on one new concept per row and the EMA update; only rows in ``commit_B``
     keep the cache entry and update their EMA (``size``: the longest concept cache row after the
-    commits, known on the host)."""
+    commits, known on the host; None for static caches, whose caller sets it)."""
     c_in = model.to_concept(concept_BD[:, None])
     ccos_sin = model.rope(state.concept_caches[0].len_B[:, None], c_in.shape[-1], c_in.dtype)
     c = c_in

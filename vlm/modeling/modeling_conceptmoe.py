@@ -5,7 +5,8 @@ holds only pickles is refused unless ``trust_pickle=True``; see ``vlm/modeling/s
 
 ``generate`` is transformers' ``GenerationMixin.generate`` on our cached decoding: the forward with
 a ``ConceptCache`` (cache.py) runs the prefill on a fresh ``DecodeState`` and ``decode_step`` for each
-later token. Supported: greedy, sampling (temperature, top_p, top_k, ... logits processors),
+later token (``generate(decode="compiled")``: the fixed-shape step, captured as CUDA graphs on CUDA;
+decode_graph.py). Supported: greedy, sampling (temperature, top_p, top_k, ... logits processors),
 repetition penalty, beam search and beam sampling, eos lists / stop strings, ``streamer``,
 ``return_dict_in_generate`` with ``output_scores`` / ``output_logits``, ``num_return_sequences``,
 ``use_cache=False`` (repeated full forwards). Refused in one line (``check_generation``): assisted /
@@ -34,8 +35,9 @@ from .cache import ConceptCache
 from .chunking import TEXT, ChunkModule
 from .conceptmoe import CompressionStats, ConceptMoEModel
 from .cross_entropy import cross_entropy_sum
+from .decode_graph import decode
 from .fused_kernels import ACTIVE as KERNELS_ACTIVE, IMPL as KERNELS
-from .generation import DecodeState, decode_step
+from .generation import DecodeState, check_decode
 from .hf_features import generation_cache_key
 from .moe import MoEFeedForward
 from .legacy_experts import fuse_after_from_pretrained
@@ -225,6 +227,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
 class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     logits_with_loss = True  # a forward with labels returns logits too (``loss_only`` turns it off)
+    _decode_mode = "eager"  # the decoding mode of generate's fresh cache (``generate(decode=...)``)
 
     def __init__(self, config: ConceptMoEConfig):
         super().__init__(config)
@@ -266,7 +269,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             require_left_padding(attention_mask)
             ref = inputs_embeds if inputs_embeds is not None else input_ids
             p = next(self.parameters())
-            state = cache.state = DecodeState.allocate(self.model, ref.shape[0], cache.capacity, p.device, p.dtype)
+            state = cache.state = DecodeState.allocate(self.model, ref.shape[0], cache.capacity, p.device, p.dtype,
+                                                       decode=cache.decode)
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                          position_ids=position_ids, segment_ids=segment_ids, modality_ids=modality_ids, state=state,
                          doc_layout=doc_layout)
@@ -286,19 +290,21 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
                                 compression=compression, tokens_per_expert=out.tokens_per_expert, cache=cache)
 
     def _decode(self, cache: ConceptCache, input_ids, inputs_embeds, labels, segment_ids) -> ConceptMoEOutput:
-        """One new token per row on a started cache: ``decode_step``; logits [B, 1, V]."""
+        """One new token per row on a started cache, in the cache's ``decode`` mode; logits [B, 1, V]."""
         if inputs_embeds is not None or labels is not None or segment_ids is not None:
             raise ValueError("a started ConceptCache takes input_ids only (no inputs_embeds, labels, segment_ids)")
         if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
             shape = None if input_ids is None else tuple(input_ids.shape)
             raise ValueError(f"a started ConceptCache takes one new token per row (input_ids [B, 1]), got {shape}")
-        logits = self.lm_head(decode_step(self.model, cache.state, input_ids))
+        logits = self.lm_head(decode(self.model, cache.state, input_ids))
         return ConceptMoEOutput(logits=logits, cache=cache)
 
     # generation --------------------------------------------------------------------------------
-    def start_decoding(self, batch: int, capacity: int) -> DecodeState:
+    def start_decoding(self, batch: int, capacity: int, decode: str = "eager") -> DecodeState:
+        """A fresh state for ``prefill`` then ``step``: ``capacity`` token slots per row; ``decode``: how
+        the steps run (generation.DECODE_MODES: "eager", "static", "compiled"; decode_graph.py)."""
         p = next(self.parameters())
-        return DecodeState.allocate(self.model, batch, capacity, p.device, p.dtype)
+        return DecodeState.allocate(self.model, batch, capacity, p.device, p.dtype, decode=decode)
 
     def prefill(self, state: DecodeState, input_ids=None, inputs_embeds=None, attention_mask=None,
                 modality_ids=None) -> torch.Tensor:
@@ -309,22 +315,33 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         return self.lm_head(out.hidden_BTD[:, -1])
 
     def step(self, state: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(decode_step(self.model, state, tokens_B[:, None])[:, 0])
+        return self.lm_head(decode(self.model, state, tokens_B[:, None])[:, 0])
 
     @torch.no_grad()
-    def generate(self, inputs=None, generation_config=None, **kwargs):
+    def generate(self, inputs=None, generation_config=None, decode: str | None = None, **kwargs):
         """``GenerationMixin.generate`` on the concept cache (see the module docstring); the model runs
-        in eval mode and returns to its previous mode. Left-padded batches only."""
+        in eval mode and returns to its previous mode. Left-padded batches only. ``decode``: how the
+        steps after the prefill run (generation.DECODE_MODES; None: "eager", or a given cache's mode):
+        "compiled" the step under torch.compile (CUDA graphs on CUDA), "cudagraph" captured without
+        compiling (CUDA only); decode_graph.py."""
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        if decode is not None:
+            check_decode(decode)
+            if isinstance(given, ConceptCache) and given.decode != decode:
+                raise ValueError(f"ConceptMoE generate: decode={decode!r} but the given cache decodes "
+                                 f"{given.decode!r}")
         for name, why in REFUSED_KWARGS.items():
             if kwargs.get(name) is not None:
                 raise ValueError(f"ConceptMoE generate: {name}= is not supported: {why}")
         require_left_padding(kwargs.get("attention_mask"))
         was_training = self.training
         self.eval()
+        self._decode_mode = decode or "eager"  # for _prepare_cache_for_generation
         try:
             return super().generate(inputs, generation_config, **kwargs)
         finally:
             self.train(was_training)
+            self._decode_mode = "eager"
 
     def _prepare_generation_config(self, generation_config, **kwargs):
         config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
@@ -345,8 +362,11 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
             given.ensure_capacity(max_cache_length + 1)
             model_kwargs[key] = given
             return
+        if generation_config.use_cache is False and self._decode_mode != "eager":
+            raise ValueError(f"ConceptMoE generate: decode={self._decode_mode!r} needs the cache (use_cache=False "
+                             "runs repeated full forwards)")
         if generation_config.use_cache is not False:
-            model_kwargs[key] = ConceptCache(max_cache_length + 1)
+            model_kwargs[key] = ConceptCache(max_cache_length + 1, decode=self._decode_mode)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, modality_ids=None,

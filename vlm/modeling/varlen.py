@@ -91,9 +91,12 @@ class DocLayout:
     @cached_property
     def pieces(self) -> list[tuple[int, int, bool]]:
         """(start, length, is a run of length-1 documents) in document order, for the loop kernel."""
-        out: list[tuple[int, int, bool]] = []
         with host_sync(LOOP_SYNC):  # CPU only (the loop kernel): nothing waits there
-            cu = self.cu_seq.tolist()
+            return self._pieces()
+
+    def _pieces(self) -> list[tuple[int, int, bool]]:
+        out: list[tuple[int, int, bool]] = []
+        cu = self.cu_seq.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
             if b == a:  # an empty document (concept_layout)
                 continue
@@ -105,8 +108,10 @@ class DocLayout:
 
     @classmethod
     @torch.compiler.disable  # host reads (nonzero, unique, lengths): under torch.compile one graph break here
-    def build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> DocLayout:
-        with host_sync(LAYOUT_SYNC):
+    def build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None,
+              reason: str = LAYOUT_SYNC) -> DocLayout:
+        """``reason``: the ``host_sync`` its reads run under (another one for tensors already on the host)."""
+        with host_sync(reason):
             return cls._build(valid_BT, segment_BT)
 
     @classmethod

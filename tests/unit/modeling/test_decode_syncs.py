@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from vlm.modeling import generation
+from vlm.modeling.chunking import CONCEPT_SYNC
+from vlm.modeling.conceptmoe import HOST_LAYOUT, PROMPT_SYNC
 from vlm.modeling.generation import BOUNDARY_SYNC, decode_step
 from vlm.modeling.modeling_conceptmoe import ConceptMoEForCausalLM
 
@@ -56,22 +58,46 @@ def _per_step(reads: list[tuple[str, str | None, str]]) -> Counter:
     return Counter(why or f"UNNAMED {op} at {at}" for op, why, at in reads)
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("B", [1, 8])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_decode_step_reads_at_most_the_boundaries(preset, B):
+def test_decode_step_reads_at_most_the_boundaries(preset, B, decode):
     """``prefill`` + ``step`` (the low-level loop): the plain MoE's steps read nothing, the
-    ConceptMoE's exactly once each (named)."""
+    ConceptMoE's exactly once each (named); also the fixed-shape step (decode_graph.py, whose
+    graphs "compiled" captures), its first step building its buffers included."""
     model = _model(preset)
     ids, am = _prompt(B)
     steps = 6
     with torch.no_grad():
-        state = model.start_decoding(B, ids.shape[1] + steps + 1)
+        state = model.start_decoding(B, ids.shape[1] + steps + 1, decode=decode)
         tok = model.prefill(state, ids, attention_mask=am).argmax(-1)
         with HostReads() as hr:
             for _ in range(steps):
                 tok = model.step(state, tok).argmax(-1)
     want = Counter({BOUNDARY_SYNC: steps}) if model.config.chunking else Counter()
     assert _per_step(hr.reads) == want
+
+
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefill_reads_only_the_mask_and_the_concept_counts(preset, B):
+    """The prefill (the forward on a fresh state; batch 8 left-padded): the attention mask is copied to
+    the host once before any kernel (``PROMPT_SYNC``; a copy to the CPU, which the CPU does not make)
+    and its padding check and token layout are computed there (``HOST_LAYOUT``, CPU tensors); the
+    ConceptMoE reads its concept counts once (``CONCEPT_SYNC``), from which the concept stack's padding
+    and layout are built on the host too. Nothing else reads (before: the padding check of each stack
+    and the device-built layouts, 15 reads for the padded plain MoE, 31 for the ConceptMoE)."""
+    model = _model(preset)
+    ids, am = _prompt(B)
+    with torch.no_grad():
+        state = model.start_decoding(B, ids.shape[1] + 4)
+        with HostReads() as hr:
+            model.prefill(state, ids, attention_mask=am)
+    reads = _per_step([r for r in hr.reads if r[1] != HOST_LAYOUT])
+    want = Counter({PROMPT_SYNC: 1} if ids.device.type == "cuda" else {})
+    if model.config.chunking:
+        want[CONCEPT_SYNC] += 1
+    assert reads == want, reads
 
 
 def _generate_reads(model, ids, am, n: int, beams: int) -> tuple[Counter, int, torch.Tensor]:

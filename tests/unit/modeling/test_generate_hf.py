@@ -305,7 +305,8 @@ def test_unsupported_option_raises_one_line(tiny_model, kw):
 def test_vlm_beam_search_and_streamer_with_images():
     """The VLM: image features spliced into the prompt's embeddings once (the prefill), then the LM's
     GenerationMixin: beam search (num_beams=2) equals the reference over full VLM forwards (the beams
-    of row 0 carry its two images), the streamer gets the prompt ids then each new token."""
+    of row 0 carry its two images), also with the fixed-shape step (``decode="static"``), the streamer
+    gets the prompt ids then each new token."""
     from test_vlm_model import build, sample_batch
     model = build(**{"chunking.concept_merge": "sum"})
     randomise_joint(model.language_model)
@@ -320,6 +321,8 @@ def test_vlm_beam_search_and_streamer_with_images():
                          output_scores=True)
     assert torch.equal(out.sequences, want)
     torch.testing.assert_close(out.sequences_scores * n, want_score, **tol(1e-4, 1e-4))
+    static = model.generate(ids, pixels, mask, max_new_tokens=n, num_beams=K, decode="static")  # decode_graph.py
+    assert torch.equal(static, want)
     streamer = Collect()
     greedy = model.generate(ids, pixels, mask, max_new_tokens=n, streamer=streamer)
     assert torch.equal(streamer.puts[0], ids.cpu()) and streamer.ended == 1
