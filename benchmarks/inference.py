@@ -12,11 +12,11 @@ see), and allocated / held KV bytes. Ratios are to transformers' compiled path, 
 ratios from the same interleaved rounds. Issue 35's targets, met or missed, are computed from these.
 
 Modes (``benchmarks/inference_modes.py``'s ``MODES``; ``--modes`` picks): each is a ``Mode`` (start a
-cache, prefill, one decode step, KV bytes). A compiled / captured decode of ours is one more entry there
-(an ``Ours`` whose ``step_fn`` runs the captured step); every table takes its rows from the modes that ran.
+cache, prefill, one decode step, KV bytes); ours also with its decode compiled (``decode="compiled"``) and,
+on CUDA, captured as CUDA graphs (``"cudagraph"``); every table takes its rows from the modes that ran.
 
     python -m benchmarks.inference [--device cuda] [--sizes 1K,8K,32K] [--decode-sizes 1K,8K] [--batches 1,8]
-        [--modes ours,ours_R2,hf_static,hf_static_compiled] [--smoke]
+        [--modes ours,ours_compiled,ours_R2,hf_static,hf_static_compiled] [--smoke]
 """
 from __future__ import annotations
 
@@ -257,12 +257,14 @@ def run(argv=None) -> dict:
     ap = base_parser(NAME, __doc__.split("\n")[0], "prefill prompt lengths, e.g. 1K,8K,32K")
     ap.add_argument("--decode-sizes", default=None, help="decode KV lengths (comma list; default per preset)")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,8; smoke 1,2)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all; "
+                    "ours_cudagraph on CUDA only)")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="hf_static_compiled: compile the prefill too (one compile per prompt shape; transformers' "
                          "generate runs it eager)")
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.modes.split(",") if n.strip()]
+    default = [n for n in MODES if n != "ours_cudagraph" or args.device.startswith("cuda")]
+    names = [n.strip() for n in args.modes.split(",") if n.strip()] if args.modes else default
     bad = set(names) - set(MODES)
     if bad or not names:
         ap.error(f"unknown --modes: {', '.join(sorted(bad)) or '(none)'}; choose from {', '.join(MODES)}")

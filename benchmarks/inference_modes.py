@@ -1,7 +1,7 @@
 """The modes benchmarks/inference.py times: one way each to run a model for generation (start a cache,
-prefill it, one decode step, its KV bytes). A compiled / captured decode of ours is one more entry of
-``MODES``: an ``Ours`` whose ``step_fn`` runs the captured step (same signature as ``model.step``);
-the benchmark's tables take their rows from the modes that ran.
+prefill it, one decode step, its KV bytes). Ours with ``decode="compiled"`` /
+``"cudagraph"`` (CUDA only) runs the captured step; the benchmark's tables take their rows from the modes
+that ran.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ class Mode:
     with a prompt (returns the last logits [B, V]), one decode ``step`` (tokens [B, 1] at position
     ``pos``; returns logits [B, V]), the cache's KV bytes after ``filled`` positions."""
     label = ""
-    counted = True
-    prefills = True  # timed in the prefill table (False: its prefill is another mode's, e.g. eager)  # ops / syncs counted by the dispatcher (False: a compiled graph's fused kernels)
+    counted = True  # ops / syncs counted by the dispatcher (False: a compiled graph's fused kernels)
+    prefills = True  # timed in the prefill table (False: its prefill is another mode's, e.g. eager)
 
     def start(self, B: int, cap: int):
         raise NotImplementedError
@@ -34,22 +34,23 @@ class Mode:
 
 
 class Ours(Mode):
-    """Our model's cached decoding (``start_decoding`` / ``prefill`` / ``step``); ``step_fn`` replaces
-    the step (a compiled or captured one) with the same signature as ``model.step``, ``counted=False``
-    then (its kernels are not dispatched ATen ops)."""
+    """Our model's cached decoding (``start_decoding`` / ``prefill`` / ``step``); ``decode``: how the steps
+    run (generation.DECODE_MODES: "eager", "static", "compiled", "cudagraph"); a captured one is not
+    counted (its kernels are not dispatched ATen ops) and its prefill is the eager one's."""
 
-    def __init__(self, model, label: str, step_fn=None, counted: bool = True):
-        self.model, self.label, self.counted = model, label, counted
-        self.step_fn = step_fn or model.step
+    def __init__(self, model, label: str, decode: str = "eager"):
+        self.model, self.label, self.decode = model, label, decode
+        self.counted = decode in ("eager", "static")
+        self.prefills = decode == "eager"
 
     def start(self, B, cap):
-        return self.model.start_decoding(B, cap)
+        return self.model.start_decoding(B, cap, decode=self.decode)
 
     def prefill(self, cache, ids):
         return self.model.prefill(cache, ids)
 
     def step(self, cache, tok_B1, pos):
-        return self.step_fn(cache, tok_B1[:, 0])
+        return self.model.step(cache, tok_B1[:, 0])
 
     def kv(self, cache, filled):
         kv = kv_bytes_ours(cache)
@@ -96,6 +97,8 @@ class HFStatic(Mode):
 
 MODES = {  # name -> Mode, built from (plain MoE, ConceptMoE, transformers model, the command line)
     "ours": lambda plain, con, hf, args: Ours(plain, "ours, plain MoE"),
+    "ours_compiled": lambda plain, con, hf, args: Ours(plain, "ours, plain MoE, compiled decode", "compiled"),
+    "ours_cudagraph": lambda plain, con, hf, args: Ours(plain, "ours, plain MoE, CUDA-graph decode", "cudagraph"),
     "ours_R2": lambda plain, con, hf, args: Ours(con, f"ours, ConceptMoE R = {RATIO:g} (converted)"),
     "hf_static": lambda plain, con, hf, args: HFStatic(hf, compiled=False),
     "hf_static_compiled": lambda plain, con, hf, args: HFStatic(hf, compiled=True,

@@ -42,6 +42,7 @@ COMPONENTS = (
     ("vlm/modeling/chunking.py", "chunking"),
     ("vlm/modeling/dechunk.py", "dechunk"),
     ("vlm/modeling/cross_entropy.py", "loss"),
+    ("vlm/modeling/lm_loss.py", "loss"),
     ("vlm/modeling/varlen.py", "document layout + varlen"),
     ("vlm/modeling/", "stacks"),
     ("transformers/loss/", "loss"),

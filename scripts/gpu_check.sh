@@ -204,7 +204,7 @@ if wants bench; then
   # ConceptMoE vs its matched MoE is decode / prefill above, so the converted model is left out here.
   # Issue 35's part alone (about 5 minutes of limits): GPU_CHECK_STEPS=bench GPU_CHECK_BENCH=prefill,decode,inference
   bench inference 150 --sizes 1024,8192,32768 --decode-sizes 1024,8192 --batches 1,8 \
-    --modes ours,hf_static,hf_static_compiled
+    --modes ours,ours_compiled,ours_cudagraph,hf_static,hf_static_compiled
   bench dechunk 30 --sizes 1024,16384
   bench train-packed 110 --sizes 8192 --calib-steps 100 --calib-max-steps 100
   bench attention 45 --sizes 8192,16384

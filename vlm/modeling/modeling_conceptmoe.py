@@ -3,17 +3,17 @@
 ``save_pretrained`` writes safetensors; ``from_pretrained`` reads safetensors only (a folder that
 holds only pickles is refused unless ``trust_pickle=True``; see ``vlm/modeling/safe_loading.py``).
 
-``generate`` is transformers' ``GenerationMixin.generate`` on our cached decoding: the forward with
-a ``ConceptCache`` (cache.py) runs the prefill on a fresh ``DecodeState`` and ``decode_step`` for each
-later token (``generate(decode="compiled")``: the fixed-shape step, captured as CUDA graphs on CUDA;
-decode_graph.py). Supported: greedy, sampling (temperature, top_p, top_k, ... logits processors),
-repetition penalty, beam search and beam sampling, eos lists / stop strings, ``streamer``,
-``return_dict_in_generate`` with ``output_scores`` / ``output_logits``, ``num_return_sequences``,
-``use_cache=False`` (repeated full forwards). Refused in one line (``check_generation``): assisted /
-speculative / prompt-lookup decoding, contrastive search, DoLa, group / constrained beam search,
-classifier-free guidance, ``cache_implementation``, chunked prefill, attentions / hidden states
-outputs, ``generator=`` (seed with ``torch.manual_seed``). The generation config holds only the
-config's special token ids: the config's ``top_k`` is the MoE's experts per token, not a sampling flag.
+``generate`` is transformers' ``GenerationMixin.generate`` on our cached decoding: the forward with a
+``ConceptCache`` (cache.py) runs the prefill on a fresh ``DecodeState`` and ``decode_step`` for each later
+token (``generate(decode="compiled")``: the fixed-shape step, captured as CUDA graphs on CUDA;
+decode_graph.py). Supported: greedy, sampling (temperature, top_p, top_k, ... logits processors), repetition
+penalty, beam search and beam sampling, eos lists / stop strings, ``streamer``, ``return_dict_in_generate``
+with ``output_scores`` / ``output_logits``, ``num_return_sequences``, ``use_cache=False`` (repeated full
+forwards). Refused in one line (``check_generation``): assisted / speculative / prompt-lookup decoding,
+contrastive search, DoLa, group / constrained beam search, classifier-free guidance, ``cache_implementation``,
+chunked prefill, attentions / hidden states outputs, ``generator=`` (seed with ``torch.manual_seed``). The
+generation config holds only the config's special token ids: the config's ``top_k`` is the MoE's experts per
+token, not a sampling flag.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation.configuration_utils import GenerationMode
@@ -34,13 +33,12 @@ from .attention import Attention
 from .cache import ConceptCache
 from .chunking import TEXT, ChunkModule
 from .conceptmoe import CompressionStats, ConceptMoEModel
-from .cross_entropy import cross_entropy_sum
 from .decode_graph import decode
-from .fused_kernels import ACTIVE as KERNELS_ACTIVE, IMPL as KERNELS
 from .generation import DecodeState, check_decode
 from .hf_features import generation_cache_key
 from .moe import MoEFeedForward
 from .legacy_experts import fuse_after_from_pretrained
+from .lm_loss import chunked_lm_loss, lm_loss_fn
 from .safe_loading import require_safetensors
 
 
@@ -58,50 +56,6 @@ class ConceptMoEOutput(ModelOutput):
     compression: dict | None = None
     tokens_per_expert: list | None = None
     cache: ConceptCache | None = None
-
-
-def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
-    """Labels moved one step left (position t is scored against the label of t + 1), the last
-    position -100: the logits / hidden states are then used whole, never sliced (a slice of [T, V]
-    logits costs a zero-filled gradient of the full size and a copy in the backward)."""
-    return F.pad(labels_BT[:, 1:], (0, 1), value=-100)
-
-
-def lm_loss_fn(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy on full fp32 logits (the reference of ``chunked_lm_loss``); labels are
-    aligned with inputs (shifted here, ``shift_labels``), -100 ignored; 0 when no label is left. No host read."""
-    labels_N = shift_labels(labels_BT).reshape(-1)
-    total = cross_entropy_sum(logits_BTV.reshape(-1, logits_BTV.shape[-1]), labels_N)
-    return total / (labels_N != -100).sum().clamp(min=1)
-
-
-CE_CHUNK_BYTES = 256 * 2 ** 20  # fp32 logits of one chunk of ``chunked_lm_loss``
-
-
-def _chunk_ce_sum(head: nn.Module, h_ND: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_sum(head(h_ND), labels_N)
-
-
-def chunked_lm_loss(head: nn.Module, hidden_BTD: torch.Tensor, labels_BT: torch.Tensor,
-                    chunk_tokens: int | None = None) -> torch.Tensor:
-    """``lm_loss_fn(head(hidden_BTD), labels_BT)`` without the full logits: every position (labels
-    shifted, ``shift_labels``) runs through ``head`` + fp32 cross entropy ``chunk_tokens`` at a time,
-    each chunk checkpointed (the backward recomputes its logits), so at most one chunk's logits
-    [chunk, V] are alive. Sum of the chunk sums / number of label tokens, as the reference. No host read."""
-    h_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
-    labels_N = shift_labels(labels_BT).reshape(-1)
-    if KERNELS_ACTIVE["cross_entropy"] != "torch":  # liger's fused linear CE (train.fused_kernels)
-        return KERNELS["cross_entropy"](h_ND, head.weight, labels_N) / (labels_N != -100).sum().clamp(min=1)
-    chunk = chunk_tokens or max(1, CE_CHUNK_BYTES // (4 * head.out_features))
-    total = h_ND.new_zeros((), dtype=torch.float32)
-    # split, not slices: one gradient assembled for all chunks (each slice's would be zero-filled full size)
-    for h_cD, labels_c in zip(h_ND.split(chunk), labels_N.split(chunk)):
-        part = (head, h_cD, labels_c)
-        if torch.is_grad_enabled():
-            total = total + torch.utils.checkpoint.checkpoint(_chunk_ce_sum, *part, use_reentrant=False)
-        else:
-            total = total + _chunk_ce_sum(*part)
-    return total / (labels_N != -100).sum().clamp(min=1)
 
 
 def loss_only(model: nn.Module, on: bool = True) -> int:
