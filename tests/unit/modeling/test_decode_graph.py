@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from vlm.modeling import decode_graph, generation
 from vlm.modeling.cache import ConceptCache, state_tensors
+from vlm.modeling.hf_features import generation_cache_key, returned_cache
 
 from _device import cuda_only, dev, require_test_device  # noqa: F401
 from conftest import build_model, decisive, left_padded, randomise_joint
@@ -95,13 +96,13 @@ def test_given_cache_decodes_in_its_mode(counter):
     model = _model("tiny")  # (one graph: the cache's handling is the same for both stacks)
     ids, am = dev(*left_padded(B=2, T=12, pad=4))
     kw = {"attention_mask": am, "do_sample": False, "max_new_tokens": 6, "return_dict_in_generate": True}
-    want = model.generate(ids, cache=ConceptCache(ids.shape[1] + 7), **kw)
-    got = model.generate(ids, cache=ConceptCache(ids.shape[1] + 7, decode="compiled"), **kw)
+    want = model.generate(ids, **{generation_cache_key(): ConceptCache(ids.shape[1] + 7)}, **kw)
+    got = model.generate(ids, **{generation_cache_key(): ConceptCache(ids.shape[1] + 7, decode="compiled")}, **kw)
     assert torch.equal(got.sequences, want.sequences) and counter.frame_count == 1
     am2 = torch.cat([am, am.new_ones(2, 6)], 1)
     more = dict(kw, attention_mask=am2)
-    want2 = model.generate(want.sequences, cache=want.cache, **more)
-    got2 = model.generate(got.sequences, cache=got.cache, **more)
+    want2 = model.generate(want.sequences, **{generation_cache_key(): returned_cache(want)}, **more)
+    got2 = model.generate(got.sequences, **{generation_cache_key(): returned_cache(got)}, **more)
     assert torch.equal(got2.sequences, want2.sequences)
 
 
@@ -159,7 +160,7 @@ def test_decode_mode_is_checked():
     with pytest.raises(ValueError, match="needs the cache"):
         model.generate(ids, max_new_tokens=2, decode="compiled", use_cache=False)
     with pytest.raises(ValueError, match="the given cache decodes 'eager'"):
-        model.generate(ids, max_new_tokens=2, decode="compiled", cache=ConceptCache(8))
+        model.generate(ids, max_new_tokens=2, decode="compiled", **{generation_cache_key(): ConceptCache(8)})
     if ids.device.type != "cuda":
         with pytest.raises(ValueError, match="decode='cudagraph' captures CUDA graphs: the model is on cpu"):
             model.generate(ids, max_new_tokens=2, decode="cudagraph")
@@ -212,7 +213,7 @@ def test_cudagraph_sequence_on_the_cpu(merge, monkeypatch):
     for beams in (1, 2):
         kw = {"attention_mask": am, "do_sample": False, "num_beams": beams, "max_new_tokens": 24}
         cache = ConceptCache(20 + 25, decode="cudagraph")
-        got = model.generate(ids, cache=cache, **kw)
+        got = model.generate(ids, **{generation_cache_key(): cache}, **kw)
         assert torch.equal(got, model.generate(ids, **kw)), beams
         grown = cache.state.concept_caches[0].capacity > -(-45 // 16) + 2
         assert grown and len(cache.state.runner._captured) == 3
