@@ -152,7 +152,7 @@ class ConceptMoEModel(nn.Module):
         if position_ids is None:
             position_ids = (valid_BT.long().cumsum(1) - 1).clamp(min=0)
         # one mask per stack, shared by its layers: a DocLayout (per document, no T x T) or None
-        mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
+        mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids, doc_layout)
         mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (mvalid, T)  # token caches: every row continues at slot T; None: no padding
@@ -223,11 +223,15 @@ class ConceptMoEModel(nn.Module):
         return varlen.concept_layout(doc_layout, b_BT, varlen.TAIL if kernel == "flash" else 1)
 
 
-def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:
-    """The padding mask a stack's layers get: None when every position is real. Packed rows
-    (``segment_BT``) keep ``valid_BT`` unread: their document layout reads the device once anyway,
-    padding included. Unpacked rows are checked (a named host read) so that rows without padding
-    run plain causal attention with no layout."""
+def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None,
+            layout: varlen.DocLayout | None = None) -> torch.Tensor | None:
+    """The padding mask a stack's layers get: None when every position is real (the MoE layers then
+    mask nothing). Packed rows (``segment_BT``) keep ``valid_BT`` unread: their document layout reads
+    the device once anyway, padding included; a layout built on the host (``layout``, the collator's)
+    says whether there is any. Unpacked rows are checked (a named host read) so that rows without
+    padding run plain causal attention with no layout."""
+    if valid_BT is not None and layout is not None and layout.padded is False:
+        return None
     if valid_BT is None or segment_BT is not None:
         return valid_BT
     with host_sync(PAD_SYNC):
