@@ -180,7 +180,7 @@ class MoEFeedForward(nn.Module):
         logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
         y_ND, counts_E = self.experts_sorted(x_ND, weights_NK, experts_NK, keep_N)
         y_ND = self._add_shared(x_ND, y_ND)
-        if keep_N is not None:
+        if keep_N is not None and self.shared is not None:  # the routed sum is already zero at padding
             y_ND = torch.where(keep_N[:, None], y_ND, 0.0)
         return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N) if stats else None
 

@@ -100,10 +100,12 @@ def test_tokens_per_expert_counts_real_assignments():
     assert int(stats.tokens_per_expert.sum()) == 17 * moe.top_k
 
 
-def test_padding_excluded_from_outputs_and_stats():
+@pytest.mark.parametrize("shared", [0, 8])
+def test_padding_excluded_from_outputs_and_stats(shared):
     """Padding tokens are never routed: real outputs and all stats equal a run on the real tokens
-    alone, whatever the padding holds; padding outputs are zero."""
-    moe = make_moe(shared=8)
+    alone, whatever the padding holds; padding outputs are zero (without a shared expert, from the
+    routed sum alone: no output mask)."""
+    moe = make_moe(shared=shared)
     x = torch.randn(2, 8, D)
     valid = torch.ones(2, 8, dtype=torch.bool)
     valid[1, :5] = False
