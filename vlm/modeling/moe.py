@@ -61,14 +61,16 @@ EXPERT_LAYOUT = "w_gate_up"  # the routed experts' parameters; training checkpoi
 SPLIT_SYNC = "moe: no grouped GEMM for this device / dtype; the per-expert split needs the segment sizes"
 
 
-def grouped_swiglu(x_SD: torch.Tensor, offs_E: torch.Tensor, w_gate_up_ED2I, w_down_EID, rw_S=None) -> torch.Tensor:
+def grouped_swiglu(x_SD: torch.Tensor, offs_E: torch.Tensor, w_gate_up_ED2I, w_down_EID, rw_S=None,
+                   tail: bool = True) -> torch.Tensor:
     """SwiGLU over contiguous per-expert segments of ``x_SD`` (rows sorted by expert): expert e takes
     rows [offs[e-1], offs[e]) (``offs_E``: int32 ends, on the device); each row's output scaled by its
-    routing weight ``rw_S`` (None: unscaled). Rows from offs[-1] on belong to no expert: zero outputs.
+    routing weight ``rw_S`` (None: unscaled). Rows from offs[-1] on belong to no expert: zero outputs
+    (``tail`` False: the caller knows there are none, offs[-1] == rows).
     Gate and up are one stored weight [E, D, 2I] and one grouped GEMM (``expert_mlp.GroupedSwiGLU``,
     whose backward recomputes the activation product instead of keeping it)."""
     if GROUPED_MM and grouped_mm_ok(x_SD.device.type, x_SD.dtype):
-        return GroupedSwiGLU.apply(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S)
+        return GroupedSwiGLU.apply(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S, tail)
     with host_sync(SPLIT_SYNC):  # host sync: torch.split needs the segment lengths as Python ints
         sizes = torch.diff(offs_E, prepend=offs_E.new_zeros(1)).tolist()
     return grouped_swiglu_reference(x_SD, sizes, w_gate_up_ED2I, w_down_EID, rw_S)
@@ -145,8 +147,9 @@ class MoEFeedForward(nn.Module):
         token_S, inverse_NK = order_S // K, inverse_order(order_S)
         x_SD = gather_rows(x_ND, token_S, inverse_NK)
         rw_S = weights_NK.reshape(-1)[order_S].to(x_ND.dtype)
-        # padding rows lie after the last segment: zero outputs and gradients (grouped_swiglu)
-        y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S)
+        # padding rows lie after the last segment: zero outputs and gradients (grouped_swiglu); without
+        # padding every row is in a segment
+        y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S, keep_N is not None)
         return scatter_sum(y_SD, token_S, inverse_NK, N), counts_E
 
     def experts_loop(self, x_ND, weights_NK, experts_NK) -> tuple[torch.Tensor, torch.Tensor]:

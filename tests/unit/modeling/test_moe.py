@@ -257,7 +257,8 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, weighted):
     fp32 forward and backward (input, the two expert stacks, the per-row routing weights), empty
     segments included. ``tail`` rows after the last segment belong to no expert (padding): zero
     outputs, zero input and routing-weight gradients even where the caller sends them a gradient,
-    and no part in the weight gradients. Without a gradient: the same outputs."""
+    and no part in the weight gradients. Without a gradient: the same outputs. Without tail rows,
+    ``tail=False`` (no masks) gives the same figures."""
     E, I = len(sizes), 24
     n = sum(sizes)
     g = torch.Generator().manual_seed(0)
@@ -278,6 +279,10 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, weighted):
         assert not y[n:].any() and not grads[0][n:].any() and not (weighted and grads[3][n:].any())
         with torch.no_grad():
             torch.testing.assert_close(grouped_swiglu(x, offs, *ws), y, rtol=0, atol=0)
+        if grouped and not tail:  # every row in a segment: the caller may spare the masks, same figures
+            y_nt = grouped_swiglu(leaves[0], offs, *leaves[1:3], leaves[3] if weighted else None, tail=False)
+            grads_nt = torch.autograd.grad((y_nt * g_out).sum(), leaves)
+            assert torch.equal(y_nt, y) and all(torch.equal(a, b) for a, b in zip(grads_nt, grads))
         outs.append((y, grads))
     (y1, g1), (y2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
