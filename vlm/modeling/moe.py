@@ -212,17 +212,18 @@ class MoEFeedForward(nn.Module):
     def losses(self, logits_NE, probs_NE, counts_E, keep_N=None) -> MoEStats:
         """Over the real tokens: all rows, or those in ``keep_N`` (means as masked sums over a count
         that stays on the device)."""
+        # lb = E * sum_e (counts_e / (n K)) * (P_sum_e / n): one dot product, the constants in one scale
         lse_N = torch.logsumexp(logits_NE, -1)
+        scale = self.num_experts / self.top_k
         if keep_N is None:
             n = max(probs_NE.shape[0], 1)
-            p_E = probs_NE.sum(0) / n
-            z = lse_N.pow(2).sum() / n
+            z = torch.dot(lse_N, lse_N) / n
+            lb = torch.dot(counts_E.float(), probs_NE.sum(0)) * (scale / (n * n))
         else:
             n = keep_N.sum().clamp(min=1)
-            p_E = torch.where(keep_N[:, None], probs_NE, 0.0).sum(0) / n
+            p_sum_E = torch.where(keep_N[:, None], probs_NE, 0.0).sum(0)
             z = torch.where(keep_N, lse_N.pow(2), 0.0).sum() / n
-        frac_E = counts_E.float() / (n * self.top_k)
-        lb = self.num_experts * (frac_E * p_E).sum()
+            lb = torch.dot(counts_E.float(), p_sum_E) * scale / (n * n)
         return MoEStats(lb_loss=lb, z_loss=z, tokens_per_expert=counts_E.detach())
 
 
