@@ -23,6 +23,7 @@ from .attention import RMSNorm, rope_cos_sin
 from .blocks import TransformerBlock
 from .chunking import IMAGE, ChunkModule, achieved_ratio, concept_counts
 from .dechunk import dechunk
+from .moe import TokenMask
 from .syncs import host_sync
 
 PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
@@ -160,11 +161,12 @@ class ConceptMoEModel(nn.Module):
         caches = state.token_caches if state is not None else None
         if state is not None:
             state.next_pos_B = position_ids[:, -1] + 1
-        h = self._run(self.encoder, x, cos_sin, mask, mvalid, stats, caches, tok_fill)
+        tok_valid = TokenMask.of(mvalid)  # the token stacks' MoE layers share its count and complement
+        h = self._run(self.encoder, x, cos_sin, mask, tok_valid, stats, caches, tok_fill)
         zero = x.new_zeros((), dtype=torch.float32)
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
-            h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
+            h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, tok_valid, cos_sin,
                               mask, stats, out, state, tok_fill, concept_capacity(T, doc_layout is not None, x.device), doc_layout)
         out.hidden_BTD = self.norm(h)
         if stats:
@@ -173,7 +175,7 @@ class ConceptMoEModel(nn.Module):
             out.tokens_per_expert = [s.tokens_per_expert for s in stats]
         return out
 
-    def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
+    def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, tok_valid, cos_sin, mask,
                  stats, out, state, tok_fill, capacity=None, doc_layout=None):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
@@ -191,6 +193,7 @@ class ConceptMoEModel(nn.Module):
         if cmask is None:
             cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
+        cval_moe = TokenMask.of(cval)  # prepared once for the concept stack's MoE layers
         c = c_in
         cfill = None
         if state is not None:  # concept caches keep the completed concepts only
@@ -198,7 +201,7 @@ class ConceptMoEModel(nn.Module):
             cfill = (torch.arange(con.valid_BM.shape[1], device=h.device)[None] < done_B[:, None], done_B)
         for slot, li in enumerate(self.schedule):
             cache = state.concept_caches[slot] if state is not None else None
-            c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval, cache=cache, fill=cfill)
+            c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval_moe, cache=cache, fill=cfill)
             if st is not None:
                 stats.append(st)
         c_hat = self.from_concept(c - c_in)  # the concept model's update (see dechunk.py)
@@ -207,7 +210,7 @@ class ConceptMoEModel(nn.Module):
         if state is not None:
             state.start(con, c_hat, merge)
         caches = state.token_caches[self.n_enc:] if state is not None else None
-        z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
+        z = self._run(self.decoder, z, cos_sin, mask, tok_valid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
         return z
 

@@ -43,6 +43,26 @@ class MoEStats:
     tokens_per_expert: torch.Tensor  # [E], long
 
 
+@dataclass
+class TokenMask:
+    """The real (non-padding) tokens of a stack's rows, prepared once per stack and forward for all its
+    MoE layers (``of``): the flat mask, its complement and the count n (at least 1), fp32, and n^2.
+    A layer given the plain [B, T] mask prepares its own."""
+    keep_N: torch.Tensor  # bool [N]
+    pad_N: torch.Tensor  # bool [N], ~keep_N
+    n: torch.Tensor  # fp32 [], real tokens, at least 1
+    n2: torch.Tensor  # fp32 [], n * n
+
+    @classmethod
+    def of(cls, valid: torch.Tensor | TokenMask | None) -> TokenMask | None:
+        """From a [B, T] (or flat [N]) bool mask of the real tokens; a TokenMask or None as given."""
+        if valid is None or isinstance(valid, TokenMask):
+            return valid
+        keep_N = valid.reshape(-1).bool()
+        n = keep_N.sum().clamp(min=1).float()
+        return cls(keep_N, ~keep_N, n, n * n)
+
+
 class SwiGLU(nn.Module):
     """Dense FFN (shared expert, dense layers)."""
 
@@ -165,33 +185,36 @@ class MoEFeedForward(nn.Module):
             out = out.index_add(0, tok, (h @ self.w_down[e]) * weights_NK[tok, slot, None].to(x_ND.dtype))
         return out, torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
 
-    def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
+    def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | TokenMask | None = None, stats: bool = True):
         """Outputs [B, T, D] (zero at padding) and the stats (None with ``stats=False``: generation
-        computes no losses); padding (``valid_BT`` False) never reaches the experts, the stats or the
-        losses. No host sync wherever torch has a grouped GEMM for the device and dtype (CPU, CUDA
+        computes no losses); padding (``valid_BT`` False; or a stack's ``TokenMask``) never reaches
+        the experts, the stats or the losses. No host sync wherever torch has a grouped GEMM for the device and dtype (CPU, CUDA
         bf16; see ``grouped_swiglu``)."""
         if self.dispatch == "loop":
             return self.forward_loop(x_BTD, valid_BT, stats)
         return self.forward_sorted(x_BTD, valid_BT, stats)
 
-    def forward_sorted(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
+    def forward_sorted(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | TokenMask | None = None,
+                       stats: bool = True):
         """Route, ``experts_sorted``, shared expert, losses (the expert-parallel layer swaps in its
         own ``experts_sorted``)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        keep_N = None if valid_BT is None else valid_BT.reshape(-1).bool()
+        mask = TokenMask.of(valid_BT)
+        keep_N = None if mask is None else mask.keep_N
         logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
         y_ND, counts_E = self.experts_sorted(x_ND, weights_NK, experts_NK, keep_N)
         y_ND = self._add_shared(x_ND, y_ND)
         if keep_N is not None and self.shared is not None:  # the routed sum is already zero at padding
             y_ND = torch.where(keep_N[:, None], y_ND, 0.0)
-        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, keep_N) if stats else None
+        return y_ND.view(B, T, D), self.losses(logits_NE, probs_NE, counts_E, mask) if stats else None
 
-    def forward_loop(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | None = None, stats: bool = True):
+    def forward_loop(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | TokenMask | None = None,
+                     stats: bool = True):
         """Reference: the padding removed by boolean indexing, then ``experts_loop`` (tests only)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        keep = None if valid_BT is None else valid_BT.reshape(-1).bool()
+        keep = None if valid_BT is None else TokenMask.of(valid_BT).keep_N
         if keep is not None:
             x_ND = x_ND[keep]
         logits_NE, probs_NE, weights_NK, experts_NK = self.route(x_ND)
@@ -209,9 +232,9 @@ class MoEFeedForward(nn.Module):
             shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
         return y_ND + shared_ND
 
-    def losses(self, logits_NE, probs_NE, counts_E, keep_N=None) -> MoEStats:
-        """Over the real tokens: all rows, or those in ``keep_N`` (means as masked sums over a count
-        that stays on the device)."""
+    def losses(self, logits_NE, probs_NE, counts_E, keep_N: torch.Tensor | TokenMask | None = None) -> MoEStats:
+        """Over the real tokens: all rows, or those in ``keep_N`` (a flat bool mask or a stack's
+        ``TokenMask``; means as masked sums over a count that stays on the device)."""
         # lb = E * sum_e (counts_e / (n K)) * (P_sum_e / n): one dot product, the constants in one scale
         lse_N = torch.logsumexp(logits_NE, -1)
         scale = self.num_experts / self.top_k
@@ -219,11 +242,12 @@ class MoEFeedForward(nn.Module):
             n = max(probs_NE.shape[0], 1)
             z = torch.dot(lse_N, lse_N) / n
             lb = torch.dot(counts_E.float(), probs_NE.sum(0)) * (scale / (n * n))
-        else:
-            n = keep_N.sum().clamp(min=1)
-            p_sum_E = torch.where(keep_N[:, None], probs_NE, 0.0).sum(0)
-            z = torch.where(keep_N, lse_N.pow(2), 0.0).sum() / n
-            lb = torch.dot(counts_E.float(), p_sum_E) * scale / (n * n)
+        else:  # padding rows zeroed (masked_fill: whatever they hold), the count from the stack's mask
+            mask = TokenMask.of(keep_N)
+            p_sum_E = probs_NE.masked_fill(mask.pad_N[:, None], 0.0).sum(0)
+            lse_N = lse_N.masked_fill(mask.pad_N, 0.0)
+            z = torch.dot(lse_N, lse_N) / mask.n
+            lb = torch.dot(counts_E.float(), p_sum_E) * scale / mask.n2
         return MoEStats(lb_loss=lb, z_loss=z, tokens_per_expert=counts_E.detach())
 
 
@@ -233,7 +257,7 @@ def sort_by_expert(experts_NK: torch.Tensor, num_experts: int, keep_N: torch.Ten
     N, K = experts_NK.shape
     flat_e = experts_NK.reshape(-1)
     if keep_N is not None:
-        flat_e = torch.where(keep_N[:, None].expand(N, K).reshape(-1), flat_e, num_experts)
+        flat_e = experts_NK.masked_fill(~keep_N[:, None], num_experts).reshape(-1)
     sorted_e, order = flat_e.sort(stable=True)
     # bounds[e + 1] = assignments to experts <= e (bounds[0] = 0): segment ends and counts in 3 kernels
     bounds = torch.searchsorted(sorted_e, torch.arange(-1, num_experts, device=flat_e.device), right=True)

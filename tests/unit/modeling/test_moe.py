@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import moe as moe_mod
-from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, init_moe_weights
+from vlm.modeling.moe import MoEFeedForward, TokenMask, grouped_swiglu, init_moe_weights
 from vlm.modeling.syncs import counting
 
 from _device import DEVICE, cuda_only, dev, require_test_device, tol  # noqa: E402, F401
@@ -118,6 +118,8 @@ def test_padding_excluded_from_outputs_and_stats(shared):
     torch.testing.assert_close(y[valid], y_real[0], **tol(1e-6, 1e-6))
     torch.testing.assert_close(y_junk, y, atol=0, rtol=0)
     assert torch.equal(y[~valid], torch.zeros_like(y[~valid]))
+    y_tm, stats_tm = moe(x, TokenMask.of(valid))  # a stack's mask prepared once: the same figures
+    assert torch.equal(y_tm, y) and torch.equal(stats_tm.lb_loss, stats.lb_loss) and torch.equal(stats_tm.z_loss, stats.z_loss)
     for s in (stats, stats_junk):
         torch.testing.assert_close(s.lb_loss, stats_real.lb_loss)
         torch.testing.assert_close(s.z_loss, stats_real.z_loss)
