@@ -116,6 +116,12 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return x_BHTD * cos + _swap_halves(x_BHTD) * sin
 
 
+def apply_rope_tokens(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` on token-major heads [B, T, heads, D]: the attention rotates q and k in one go."""
+    cos, sin = cos_BTD[:, :, None], sin_BTD[:, :, None]
+    return x_BTHD * cos + _swap_halves(x_BTHD) * sin
+
+
 def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
                 device: torch.device) -> torch.Tensor | None:
     """Boolean SDPA mask [B, 1, T, T] (True = may attend), or None for the plain causal case.
@@ -282,11 +288,16 @@ class Attention(nn.Module):
             v = v + self.v_c_proj(concept_BTD)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = self._split(q, self.n_heads), self._split(k, self.n_kv), self._split(v, self.n_kv)
+        B, T, _ = x_BTD.shape
+        q_BTHD, k_BTHD = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv, self.head_dim)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q_BTHD, k_BTHD = self.q_norm(q_BTHD), self.k_norm(k_BTHD)
+        # q and k rotated together (one rotation forward and backward instead of two): token-major
+        # [B, T, H + H_kv, D], then split back into views
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_BTHD = apply_rope_tokens(torch.cat([q_BTHD, k_BTHD], 2), cos, sin)
+        q_BTHD, k_BTHD = qk_BTHD.split([self.n_heads, self.n_kv], 2)
+        q, k, v = q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), self._split(v, self.n_kv)
         if cache is not None and fill is None:
             k_all, v_all, valid_BS = cache.step(k, v)
             mask_B11S = None if valid_BS is None else valid_BS[:, None, None, :]
