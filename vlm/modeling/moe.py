@@ -33,7 +33,7 @@ from .expert_mlp import GroupedSwiGLU, grouped_swiglu_reference
 from .features import grouped_mm_ok
 from .legacy_experts import fuse_legacy_gate_up
 from .syncs import host_sync
-from .token_reorder import gather_rows, inverse_order, scatter_sum
+from .token_reorder import gather_rows, inverse_order, permute_rows, scatter_sum
 
 
 @dataclass
@@ -166,7 +166,7 @@ class MoEFeedForward(nn.Module):
         _, order_S, ends_E, counts_E = sort_by_expert(experts_NK, self.num_experts, keep_N)
         token_S, inverse_NK = order_S // K, inverse_order(order_S)
         x_SD = gather_rows(x_ND, token_S, inverse_NK)
-        rw_S = weights_NK.reshape(-1)[order_S].to(x_ND.dtype)
+        rw_S = permute_rows(weights_NK.reshape(-1), order_S, inverse_NK).to(x_ND.dtype)
         # padding rows lie after the last segment: zero outputs and gradients (grouped_swiglu); without
         # padding every row is in a segment
         y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S, keep_N is not None)
