@@ -51,8 +51,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S, outside_S1 = ctx.saved_tensors
         g_SD = g_SD.contiguous()
         gate_SI, up_SI = gu_S2I.chunk(2, -1)
-        sig_SI = torch.sigmoid(gate_SI)
-        silu_SI = gate_SI * sig_SI
+        silu_SI = F.silu(gate_SI)  # as the forward computed it
         h_SI = silu_SI * up_SI
         g_hw_SI = grouped_mm(g_SD, w_down_EID.transpose(-2, -1), offs=offs_E)  # d loss / d (h * rw)
         g_rw = None
@@ -67,14 +66,13 @@ class GroupedSwiGLU(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             g_down = grouped_mm(h_SI.t(), g_SD, offs=offs_E)  # [E, I, D]
         del h_SI
-        # d silu(g) / d g = sig * (1 + g * (1 - sig)), in place on the recomputed tensors; the two
-        # halves are written separately and joined by one cat (Dynamo traces no ``out=`` into a
-        # strided view; the cat is where inductor writes them)
-        dsilu_SI = sig_SI.mul_(gate_SI - silu_SI + 1.0)
+        # the gate's gradient through silu by torch's own silu backward (one op); the two halves are
+        # written separately and joined by one cat (Dynamo traces no ``out=`` into a strided view;
+        # the cat is where inductor writes them)
         g_up_SI = g_hw_SI * silu_SI
         del silu_SI
-        g_gate_SI = g_hw_SI.mul_(up_SI).mul_(dsilu_SI)
-        del g_hw_SI, sig_SI, dsilu_SI
+        g_gate_SI = torch.ops.aten.silu_backward(g_hw_SI.mul_(up_SI), gate_SI)
+        del g_hw_SI
         g_gu_S2I = torch.cat([g_gate_SI, g_up_SI], -1)
         del g_gate_SI, g_up_SI
         g_x = g_gate_up = None
