@@ -63,6 +63,23 @@ class TokenMask:
         return cls(keep_N, ~keep_N, n, n * n)
 
 
+class NormalizeRows(torch.autograd.Function):
+    """``w / w.sum(-1, keepdim=True)`` (the same forward) with the backward in one formula,
+    ``(g - sum(g * out)) / s``: 4 ops where autograd's quotient rule takes 7."""
+
+    @staticmethod
+    def forward(ctx, w_NK):
+        s_N1 = w_NK.sum(-1, keepdim=True)
+        out_NK = w_NK / s_N1
+        ctx.save_for_backward(out_NK, s_N1)
+        return out_NK
+
+    @staticmethod
+    def backward(ctx, g_NK):
+        out_NK, s_N1 = ctx.saved_tensors
+        return (g_NK - (g_NK * out_NK).sum(-1, keepdim=True)) / s_N1
+
+
 class SwiGLU(nn.Module):
     """Dense FFN (shared expert, dense layers)."""
 
@@ -155,7 +172,7 @@ class MoEFeedForward(nn.Module):
         probs_NE = logits_NE.softmax(-1)
         weights_NK, experts_NK = probs_NE.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True)
+            weights_NK = NormalizeRows.apply(weights_NK)
         return logits_NE, probs_NE, weights_NK, experts_NK
 
     def experts_sorted(self, x_ND, weights_NK, experts_NK, keep_N=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -430,3 +430,20 @@ def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
     assert _rel_err(y1, y2) < BF16_REL, _rel_err(y1, y2)
     if padded:
         assert torch.equal(y1[~valid], torch.zeros_like(y1[~valid]))
+
+
+def test_normalize_rows_is_the_plain_quotient_forward_and_backward():
+    """The top-k weights' normalisation: the plain quotient's figures forward (bit-equal) and its
+    gradient (gradcheck in fp64; fp32 to rounding)."""
+    from vlm.modeling.moe import NormalizeRows
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(40, 3, dtype=torch.float64, generator=g).add(0.1).requires_grad_()
+    assert torch.autograd.gradcheck(NormalizeRows.apply, (w,))
+    w32, g_out = w.detach().float().requires_grad_(), torch.randn(40, 3, generator=g)
+    ref = w32 / w32.sum(-1, keepdim=True)
+    (g_ref,) = torch.autograd.grad((ref * g_out).sum(), w32)
+    out = NormalizeRows.apply(w32)
+    (g_got,) = torch.autograd.grad((out * g_out).sum(), w32)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-6, atol=1e-6)
