@@ -80,6 +80,25 @@ class NormalizeRows(torch.autograd.Function):
         return (g_NK - (g_NK * out_NK).sum(-1, keepdim=True)) / s_N1
 
 
+class RouterZ(torch.autograd.Function):
+    """``sum_n logsumexp(logits_n)^2`` over the rows not in ``pad_N`` (None: all), with its gradient
+    ``2 lse_n softmax(logits_n)`` from the router's own probabilities ``probs_NE`` (3 ops; autograd's
+    log-sum-exp and square backwards take 6 to 7)."""
+
+    @staticmethod
+    def forward(ctx, logits_NE, probs_NE, pad_N):
+        lse_N = torch.logsumexp(logits_NE, -1)
+        if pad_N is not None:
+            lse_N = lse_N.masked_fill(pad_N, 0.0)
+        ctx.save_for_backward(lse_N, probs_NE)
+        return torch.dot(lse_N, lse_N)
+
+    @staticmethod
+    def backward(ctx, g):
+        lse_N, probs_NE = ctx.saved_tensors
+        return probs_NE * (lse_N * (2.0 * g))[:, None], None, None
+
+
 class SwiGLU(nn.Module):
     """Dense FFN (shared expert, dense layers)."""
 
@@ -253,17 +272,15 @@ class MoEFeedForward(nn.Module):
         """Over the real tokens: all rows, or those in ``keep_N`` (a flat bool mask or a stack's
         ``TokenMask``; means as masked sums over a count that stays on the device)."""
         # lb = E * sum_e (counts_e / (n K)) * (P_sum_e / n): one dot product, the constants in one scale
-        lse_N = torch.logsumexp(logits_NE, -1)
         scale = self.num_experts / self.top_k
         if keep_N is None:
             n = max(probs_NE.shape[0], 1)
-            z = torch.dot(lse_N, lse_N) / n
+            z = RouterZ.apply(logits_NE, probs_NE, None) / n
             lb = torch.dot(counts_E.float(), probs_NE.sum(0)) * (scale / (n * n))
         else:  # padding rows zeroed (masked_fill: whatever they hold), the count from the stack's mask
             mask = TokenMask.of(keep_N)
             p_sum_E = probs_NE.masked_fill(mask.pad_N[:, None], 0.0).sum(0)
-            lse_N = lse_N.masked_fill(mask.pad_N, 0.0)
-            z = torch.dot(lse_N, lse_N) / mask.n
+            z = RouterZ.apply(logits_NE, probs_NE, mask.pad_N) / mask.n
             lb = torch.dot(counts_E.float(), p_sum_E) * scale / mask.n2
         return MoEStats(lb_loss=lb, z_loss=z, tokens_per_expert=counts_E.detach())
 

@@ -447,3 +447,28 @@ def test_normalize_rows_is_the_plain_quotient_forward_and_backward():
     (g_got,) = torch.autograd.grad((out * g_out).sum(), w32)
     assert torch.equal(out, ref)
     torch.testing.assert_close(g_got, g_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_router_z_is_the_masked_logsumexp_square_sum(padded):
+    """The z-loss sum with its gradient from the router's probabilities == autograd through
+    logsumexp and the square (fp64 gradcheck; fp32 to rounding); padding rows give nothing."""
+    from vlm.modeling.moe import RouterZ
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 5, dtype=torch.float64, generator=g).mul(3).requires_grad_()
+    pad = (torch.arange(12) % 4 == 0) if padded else None
+
+    def z(lg):
+        return RouterZ.apply(lg, lg.softmax(-1), pad)
+    assert torch.autograd.gradcheck(z, (logits,))
+    lg32 = logits.detach().float().requires_grad_()
+    lse = torch.logsumexp(lg32, -1)
+    ref = (lse.pow(2) if pad is None else torch.where(pad, 0.0, lse.pow(2))).sum()
+    (g_ref,) = torch.autograd.grad(ref, lg32)
+    got = z(lg32)
+    (g_got,) = torch.autograd.grad(got, lg32)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-6)
+    if padded:
+        assert not g_got[pad].any()
