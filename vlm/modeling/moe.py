@@ -16,7 +16,9 @@ reference (it removes the padding by boolean indexing), kept for tests.
 
 Losses: switch-style load balancing ``E * sum_e f_e * P_e`` (f = fraction of assignments, P =
 mean router probability) and the router z-loss ``mean(logsumexp(logits)^2)``, both over real
-(non-padding) tokens only. ``tokens_per_expert`` is reported for logging.
+(non-padding) tokens only. ``tokens_per_expert`` is reported for logging. Fewer launches per layer:
+a stack's padding mask prepared once (``TokenMask``), the top-k normalisation and the z-loss as
+autograd functions with one-formula backwards (``NormalizeRows``, ``RouterZ``).
 """
 from __future__ import annotations
 
@@ -205,7 +207,8 @@ class MoEFeedForward(nn.Module):
         rw_S = permute_rows(weights_NK.reshape(-1), order_S, inverse_NK).to(x_ND.dtype)
         # padding rows lie after the last segment: zero outputs and gradients (grouped_swiglu); without
         # padding every row is in a segment
-        y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S, keep_N is not None)
+        y_SD = grouped_swiglu(x_SD, ends_E.to(torch.int32), self.w_gate_up, self.w_down, rw_S,
+                              tail=keep_N is not None)
         return scatter_sum(y_SD, token_S, inverse_NK, N), counts_E
 
     def experts_loop(self, x_ND, weights_NK, experts_NK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +227,8 @@ class MoEFeedForward(nn.Module):
     def forward(self, x_BTD: torch.Tensor, valid_BT: torch.Tensor | TokenMask | None = None, stats: bool = True):
         """Outputs [B, T, D] (zero at padding) and the stats (None with ``stats=False``: generation
         computes no losses); padding (``valid_BT`` False; or a stack's ``TokenMask``) never reaches
-        the experts, the stats or the losses. No host sync wherever torch has a grouped GEMM for the device and dtype (CPU, CUDA
-        bf16; see ``grouped_swiglu``)."""
+        the experts, the stats or the losses. No host sync wherever torch has a grouped GEMM for the
+        device and dtype (CPU, CUDA bf16; see ``grouped_swiglu``)."""
         if self.dispatch == "loop":
             return self.forward_loop(x_BTD, valid_BT, stats)
         return self.forward_sorted(x_BTD, valid_BT, stats)
