@@ -90,23 +90,36 @@ def _yarn(inv_freq, dim: int, base: float, sc: dict):
 
 def rope_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: dict | None = None):
-    """cos/sin tables [B, T, head_dim] for integer positions (any per-row layout)."""
+    """RoPE tables [B, T, head_dim] for integer positions (any per-row layout): cos, and sin with the
+    rotate-half sign folded in (-sin on the first half, +sin on the second; see ``apply_rope``), built
+    once per stack and forward instead of a negation per layer."""
     inv_freq, scale = rope_inv_freq(head_dim, theta, scaling, position_ids_BT.device)
     ang_BTH = position_ids_BT.float()[..., None] * inv_freq
-    emb = torch.cat([ang_BTH, ang_BTH], dim=-1)
+    cos_BTD = torch.cat([ang_BTH, ang_BTH], dim=-1).cos()
+    sin_BTH = ang_BTH.sin()
+    sin_BTD = torch.cat([-sin_BTH, sin_BTH], dim=-1)
     if scale == 1.0:
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        return cos_BTD.to(dtype), sin_BTD.to(dtype)
+    return (cos_BTD * scale).to(dtype), (sin_BTD * scale).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    return torch.cat([x2, x1], dim=-1)
 
 
 def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2, x1]``; ``sin_BTD`` comes from
+    ``rope_cos_sin`` with the sign already on its first half, so the rotation is a plain half swap
+    (the same figures: a negation is exact)."""
     cos, sin = cos_BTD[:, None], sin_BTD[:, None]
-    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+    return x_BHTD * cos + _swap_halves(x_BHTD) * sin
+
+
+def apply_rope_tokens(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` on token-major heads [B, T, heads, D]: the attention rotates q and k in one go."""
+    cos, sin = cos_BTD[:, :, None], sin_BTD[:, :, None]
+    return x_BTHD * cos + _swap_halves(x_BTHD) * sin
 
 
 def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
@@ -290,11 +303,16 @@ class Attention(nn.Module):
             v = v + self.v_c_proj(concept_BTD)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = self._split(q, self.n_heads), self._split(k, self.n_kv), self._split(v, self.n_kv)
+        B, T, _ = x_BTD.shape
+        q_BTHD, k_BTHD = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv, self.head_dim)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q_BTHD, k_BTHD = self.q_norm(q_BTHD), self.k_norm(k_BTHD)
+        # q and k rotated together (one rotation forward and backward instead of two): token-major
+        # [B, T, H + H_kv, D], then split back into views
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_BTHD = apply_rope_tokens(torch.cat([q_BTHD, k_BTHD], 2), cos, sin)
+        q_BTHD, k_BTHD = qk_BTHD.split([self.n_heads, self.n_kv], 2)
+        q, k, v = q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), self._split(v, self.n_kv)
         if cache is not None and fill is None:
             k_all, v_all, valid_BS = cache.step(k, v)
             mask_B11S = None if valid_BS is None else valid_BS[:, None, None, :]

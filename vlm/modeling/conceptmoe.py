@@ -23,6 +23,7 @@ from .attention import RMSNorm, rope_cos_sin
 from .blocks import TransformerBlock
 from .chunking import CONCEPT_SYNC, IMAGE, ChunkModule, achieved_ratio, concept_counts
 from .dechunk import dechunk
+from .moe import TokenMask
 from .syncs import host_sync
 
 PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
@@ -165,7 +166,7 @@ class ConceptMoEModel(nn.Module):
         if host is not None:
             mvalid = valid_BT if host[0] else None
         else:
-            mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids)
+            mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids, doc_layout)
         mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (mvalid, T)  # token caches: every row continues at slot T; None: no padding
@@ -173,11 +174,12 @@ class ConceptMoEModel(nn.Module):
         caches = state.token_caches if state is not None else None
         if state is not None:
             state.next_pos_B = position_ids[:, -1] + 1
-        h = self._run(self.encoder, x, cos_sin, mask, mvalid, stats, caches, tok_fill)
+        tok_valid = TokenMask.of(mvalid)  # the token stacks' MoE layers share its count and complement
+        h = self._run(self.encoder, x, cos_sin, mask, tok_valid, stats, caches, tok_fill)
         zero = x.new_zeros((), dtype=torch.float32)
         out = BackboneOutput(h, zero, zero, zero)
         if self.cfg.chunking:
-            h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin,
+            h = self._chunked(h, valid_BT, position_ids, segment_ids, modality_ids, tok_valid, cos_sin,
                               mask, stats, out, state, tok_fill, self._concept_capacity(T, doc_layout, state, x.device),
                               doc_layout)
         out.hidden_BTD = self.norm(h)
@@ -193,7 +195,7 @@ class ConceptMoEModel(nn.Module):
         filled with it and sized by it (capacity T would make them as large as the token caches)."""
         return None if state is not None else concept_capacity(T, doc_layout is not None, device)
 
-    def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, mvalid, cos_sin, mask,
+    def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, tok_valid, cos_sin, mask,
                  stats, out, state, tok_fill, capacity=None, doc_layout=None):
         cfg, ch = self.cfg, self.chunker
         merge = cfg.concept_merge
@@ -219,6 +221,7 @@ class ConceptMoEModel(nn.Module):
         if cmask is None:
             cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
+        cval_moe = TokenMask.of(cval)  # prepared once for the concept stack's MoE layers
         c = c_in
         cfill = None
         if state is not None:  # concept caches keep the completed concepts only
@@ -226,7 +229,7 @@ class ConceptMoEModel(nn.Module):
             cfill = (torch.arange(con.valid_BM.shape[1], device=h.device)[None] < done_B[:, None], done_B)
         for slot, li in enumerate(self.schedule):
             cache = state.concept_caches[slot] if state is not None else None
-            c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval, cache=cache, fill=cfill)
+            c, st = self.concept_model[li](c, ccos_sin, mask=cmask, valid_BT=cval_moe, cache=cache, fill=cfill)
             if st is not None:
                 stats.append(st)
         c_hat = self.from_concept(c - c_in)  # the concept model's update (see dechunk.py)
@@ -235,7 +238,7 @@ class ConceptMoEModel(nn.Module):
         if state is not None:
             state.start(con, c_hat, merge)
         caches = state.token_caches[self.n_enc:] if state is not None else None
-        z = self._run(self.decoder, z, cos_sin, mask, mvalid, stats, caches, tok_fill, concept=read_BTD)
+        z = self._run(self.decoder, z, cos_sin, mask, tok_valid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
         return z
 
@@ -251,11 +254,15 @@ class ConceptMoEModel(nn.Module):
         return varlen.concept_layout(doc_layout, b_BT, varlen.TAIL if kernel == "flash" else 1)
 
 
-def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> torch.Tensor | None:
-    """The padding mask a stack's layers get: None when every position is real. Packed rows
-    (``segment_BT``) keep ``valid_BT`` unread: their document layout reads the device once anyway,
-    padding included. Unpacked rows are checked (a named host read) so that rows without padding
-    run plain causal attention with no layout."""
+def padding(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None,
+            layout: varlen.DocLayout | None = None) -> torch.Tensor | None:
+    """The padding mask a stack's layers get: None when every position is real (the MoE layers then
+    mask nothing). Packed rows (``segment_BT``) keep ``valid_BT`` unread: their document layout reads
+    the device once anyway, padding included; a layout built on the host (``layout``, the collator's)
+    says whether there is any. Unpacked rows are checked (a named host read) so that rows without
+    padding run plain causal attention with no layout."""
+    if valid_BT is not None and layout is not None and layout.padded is False:
+        return None
     if valid_BT is None or segment_BT is not None:
         return valid_BT
     with host_sync(PAD_SYNC):

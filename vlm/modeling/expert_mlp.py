@@ -10,7 +10,8 @@ down projection (``(h * w) W_d == w * (h W_d)``): half the width of scaling the 
 projections [S, 2I] and the routing weights (the weights are parameters, alive anyway);
 ``silu(gate)`` and the product ([S, I] each) are recomputed.
 Rows from ``offs[-1]`` on belong to no expert: their outputs and every gradient they would give
-(input rows, routing weights) are zero, and they take no part in the weight gradients. The plain
+(input rows, routing weights) are zero, and they take no part in the weight gradients; a caller that
+knows there are none (``tail=False``: no padding) spares the masks. The plain
 reference is ``grouped_swiglu_reference`` (per-expert loop; tests/unit/modeling/test_moe.py compares).
 """
 from __future__ import annotations
@@ -28,56 +29,60 @@ def _outside(offs_E: torch.Tensor, rows: int) -> torch.Tensor:
 
 class GroupedSwiGLU(torch.autograd.Function):
     """``grouped_mm(silu(x W_g) * (x W_u) * rw, W_d)`` per segment (``offs_E``: int32 segment ends),
-    ``[W_g | W_u] = w_gate_up_ED2I``; ``rw_S`` None: unweighted."""
+    ``[W_g | W_u] = w_gate_up_ED2I``; ``rw_S`` None: unweighted; ``tail`` False: every row lies in a
+    segment (offs[-1] == rows), so no row is masked."""
 
     @staticmethod
-    def forward(ctx, x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S):
+    def forward(ctx, x_SD, offs_E, w_gate_up_ED2I, w_down_EID, rw_S, tail: bool = True):
         gu_S2I = grouped_mm(x_SD, w_gate_up_ED2I, offs=offs_E)
         gate_SI, up_SI = gu_S2I.chunk(2, -1)
         h_SI = F.silu(gate_SI).mul_(up_SI)
         if rw_S is not None:
             h_SI.mul_(rw_S[:, None])
-        y_SD = grouped_mm(h_SI, w_down_EID, offs=offs_E).masked_fill_(_outside(offs_E, x_SD.shape[0]), 0.0)
-        ctx.save_for_backward(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S)
+        y_SD = grouped_mm(h_SI, w_down_EID, offs=offs_E)
+        outside_S1 = _outside(offs_E, x_SD.shape[0]) if tail else None
+        if tail:
+            y_SD.masked_fill_(outside_S1, 0.0)
+        ctx.save_for_backward(x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S, outside_S1)
         return y_SD
 
     @staticmethod
     def backward(ctx, g_SD):
-        x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S = ctx.saved_tensors
+        x_SD, offs_E, w_gate_up_ED2I, w_down_EID, gu_S2I, rw_S, outside_S1 = ctx.saved_tensors
         g_SD = g_SD.contiguous()
-        outside_S1 = _outside(offs_E, x_SD.shape[0])
         gate_SI, up_SI = gu_S2I.chunk(2, -1)
-        sig_SI = torch.sigmoid(gate_SI)
-        silu_SI = gate_SI * sig_SI
+        silu_SI = F.silu(gate_SI)  # as the forward computed it
         h_SI = silu_SI * up_SI
         g_hw_SI = grouped_mm(g_SD, w_down_EID.transpose(-2, -1), offs=offs_E)  # d loss / d (h * rw)
         g_rw = None
         if rw_S is not None:
             if ctx.needs_input_grad[4]:
-                g_rw = (g_hw_SI * h_SI).sum(-1).masked_fill_(outside_S1[:, 0], 0.0)
+                g_rw = (g_hw_SI * h_SI).sum(-1)
+                if outside_S1 is not None:
+                    g_rw.masked_fill_(outside_S1[:, 0], 0.0)
             h_SI.mul_(rw_S[:, None])
             g_hw_SI.mul_(rw_S[:, None])  # now d loss / d h
         g_down = None
         if ctx.needs_input_grad[3]:
             g_down = grouped_mm(h_SI.t(), g_SD, offs=offs_E)  # [E, I, D]
         del h_SI
-        # d silu(g) / d g = sig * (1 + g * (1 - sig)), in place on the recomputed tensors; the two
-        # halves are written separately and joined by one cat (Dynamo traces no ``out=`` into a
-        # strided view; the cat is where inductor writes them)
-        dsilu_SI = sig_SI.mul_(gate_SI - silu_SI + 1.0)
+        # the gate's gradient through silu by torch's own silu backward (one op); the two halves are
+        # written separately and joined by one cat (Dynamo traces no ``out=`` into a strided view;
+        # the cat is where inductor writes them)
         g_up_SI = g_hw_SI * silu_SI
         del silu_SI
-        g_gate_SI = g_hw_SI.mul_(up_SI).mul_(dsilu_SI)
-        del g_hw_SI, sig_SI, dsilu_SI
+        g_gate_SI = torch.ops.aten.silu_backward(g_hw_SI.mul_(up_SI), gate_SI)
+        del g_hw_SI
         g_gu_S2I = torch.cat([g_gate_SI, g_up_SI], -1)
         del g_gate_SI, g_up_SI
         g_x = g_gate_up = None
         if ctx.needs_input_grad[0]:
             g_x = grouped_mm(g_gu_S2I, w_gate_up_ED2I.transpose(-2, -1), offs=offs_E)
-            g_x.masked_fill_(outside_S1, 0.0)
+            if outside_S1 is not None:
+                g_x.masked_fill_(outside_S1, 0.0)
         if ctx.needs_input_grad[2]:
             g_gate_up = grouped_mm(x_SD.t(), g_gu_S2I, offs=offs_E)  # [E, D, 2I]
-        return g_x, None, g_gate_up, g_down, g_rw
+        return g_x, None, g_gate_up, g_down, g_rw, None
 
 
 def grouped_swiglu_reference(x_SD: torch.Tensor, sizes: list[int], w_gate_up_ED2I: torch.Tensor,

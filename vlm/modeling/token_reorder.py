@@ -1,7 +1,8 @@
-"""Token reordering of the sorted MoE dispatch, as two autograd functions with cheap backwards.
+"""Token reordering of the sorted MoE dispatch, as three autograd functions with cheap backwards.
 
 ``gather_rows``: the N * K assignment rows in expert order, ``x_ND[token_S]``; its backward sums each
-token's K rows back. ``scatter_sum``: expert outputs [S, D] summed back per token [N, D]; its
+token's K rows back. ``permute_rows``: the routing weights in the same order, ``w[order_S]``; its backward
+gathers back with the inverse permutation. ``scatter_sum``: expert outputs [S, D] summed back per token [N, D]; its
 backward is the gather ``g_ND[token_S]``. Autograd's own backward of an index (a zero-filled
 [S, D] buffer, then an accumulating ``index_put_``) and of the gather-then-sum combine cost an extra
 [N * K, D] tensor each; the sums here are ``index_add_`` on CPU in fp32 (deterministic there, one pass, an
@@ -45,6 +46,18 @@ class GatherRows(torch.autograd.Function):
         return _sum_back(g_SD.contiguous(), token_S, inverse_NK, ctx.N), None, None
 
 
+class PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_N, order_S, inverse_N):
+        ctx.save_for_backward(inverse_N)
+        return x_N.index_select(0, order_S)
+
+    @staticmethod
+    def backward(ctx, g_S):
+        (inverse_N,) = ctx.saved_tensors
+        return g_S.index_select(0, inverse_N), None, None
+
+
 class ScatterSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_SD, token_S, inverse_NK, N: int):
@@ -60,6 +73,12 @@ class ScatterSum(torch.autograd.Function):
 def gather_rows(x_ND: torch.Tensor, token_S: torch.Tensor, inverse_NK: torch.Tensor) -> torch.Tensor:
     """``x_ND[token_S]`` [N * K, D]."""
     return GatherRows.apply(x_ND, token_S, inverse_NK)
+
+
+def permute_rows(x_N: torch.Tensor, order_S: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+    """``x_N[order_S]`` for a permutation ``order_S`` (``inverse_N = inverse_order(order_S)``): its
+    backward is the inverse gather (one op; autograd's is a zero buffer and an ``index_put``)."""
+    return PermuteRows.apply(x_N, order_S, inverse_N)
 
 
 def scatter_sum(y_SD: torch.Tensor, token_S: torch.Tensor, inverse_NK: torch.Tensor, N: int) -> torch.Tensor:

@@ -62,6 +62,7 @@ class DocLayout:
     max_len: int
     buckets: list | None  # (n, L, flat_K): flat token of each of the n x L slots of a bucket (K = n * L); None: not built
     src_N: torch.Tensor | None  # token t's output = cat(bucket outputs, flattened)[src_N[t]] (None: identity)
+    padded: bool | None = None  # whether any position is padding (host-known; None: not known)
 
     @property
     def num_docs(self) -> int:
@@ -83,7 +84,7 @@ class DocLayout:
             return t.to(device, non_blocking=non_blocking)
         buckets = None if self.buckets is None else [(n, L, move(flat)) for n, L, flat in self.buckets]
         out = DocLayout(self.B, self.T, move(self.perm_N), move(self.inv_N), move(self.cu_seq), self.max_len,
-                        buckets, move(self.src_N))
+                        buckets, move(self.src_N), self.padded)
         if "pieces" in self.__dict__ or self.cu_seq.device.type == "cpu":
             out.__dict__["pieces"] = self.pieces  # computed on the host, where cu_seq is
         return out
@@ -156,7 +157,8 @@ class DocLayout:
         # the common packed row (equal documents, no padding) needs no reordering at all
         src = None if offset == N and torch.equal(src, arange_N) else src
         perm = None if torch.equal(perm, arange_N) else perm
-        return cls(B, T, perm, inv, cu.to(torch.int32), int(len_D.max()), buckets, src)
+        padded = valid_BT is not None and not bool(valid_N.all())
+        return cls(B, T, perm, inv, cu.to(torch.int32), int(len_D.max()), buckets, src, padded)
 
 
 TAIL = 64  # concept_layout: a row's padding slots form documents of at most TAIL slots

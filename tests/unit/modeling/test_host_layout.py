@@ -75,3 +75,41 @@ def test_the_packing_collator_ships_the_layout_of_its_batch():
     assert (layout.B, layout.T, layout.max_len) == (ref.B, ref.T, ref.max_len)
     assert torch.equal(layout.cu_seq, ref.cu_seq) and layout.pieces == ref.pieces
     assert "pieces" in layout.__dict__  # computed in the collator, not in the training step
+
+
+@pytest.mark.parametrize("chunking", [True, False])
+def test_a_host_layout_without_padding_spares_the_moe_masks(chunking, monkeypatch):
+    # rows packed to the last position: the host layout says so, and the token stacks' MoE layers get no
+    # padding mask (nothing to mask: no masked sort, output or loss sums), with the same loss and gradients
+    from vlm.modeling.moe import MoEFeedForward
+
+    monkeypatch.setattr(conceptmoe, "CAPACITY", "exact")
+    torch.manual_seed(0)
+    model = build_model(chunking=chunking)
+    batch = _packed()
+    batch["segment_ids"][1, 20:] = 2  # row 1's last 4 positions: a second document instead of padding
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    batch["position_ids"][1, 20:] = torch.arange(4)
+    batch["labels"] = batch["input_ids"].clone()
+    layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
+    assert layout.padded is False and DocLayout.build(_packed()["attention_mask"].bool(), _packed()["segment_ids"]).padded
+    seen = []
+    forward = MoEFeedForward.forward
+
+    def spy(self, x_BTD, valid_BT=None, stats=True):
+        seen[-1].append(valid_BT is None)
+        return forward(self, x_BTD, valid_BT, stats)
+    monkeypatch.setattr(MoEFeedForward, "forward", spy)
+    runs = []
+    for extra in ({}, {"doc_layout": layout}):
+        seen.append([])
+        model.zero_grad()
+        out = model(**batch, **extra)
+        out.loss.backward()
+        runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    token_stacks = [*model.model.encoder, *(model.model.decoder if chunking else [])]
+    n_tok = sum(layer.is_moe for layer in token_stacks)
+    assert n_tok > 0 and not any(seen[0]) and seen[1].count(True) == n_tok, seen  # the concept stack keeps its mask

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from vlm.modeling.configuration_conceptmoe import MoEConfig
 from vlm.modeling import moe as moe_mod
-from vlm.modeling.moe import MoEFeedForward, grouped_swiglu, init_moe_weights
+from vlm.modeling.moe import MoEFeedForward, TokenMask, grouped_swiglu, init_moe_weights
 from vlm.modeling.syncs import counting
 
 from _device import DEVICE, cuda_only, dev, require_test_device, tol  # noqa: E402, F401
@@ -100,10 +100,12 @@ def test_tokens_per_expert_counts_real_assignments():
     assert int(stats.tokens_per_expert.sum()) == 17 * moe.top_k
 
 
-def test_padding_excluded_from_outputs_and_stats():
+@pytest.mark.parametrize("shared", [0, 8])
+def test_padding_excluded_from_outputs_and_stats(shared):
     """Padding tokens are never routed: real outputs and all stats equal a run on the real tokens
-    alone, whatever the padding holds; padding outputs are zero."""
-    moe = make_moe(shared=8)
+    alone, whatever the padding holds; padding outputs are zero (without a shared expert, from the
+    routed sum alone: no output mask)."""
+    moe = make_moe(shared=shared)
     x = torch.randn(2, 8, D)
     valid = torch.ones(2, 8, dtype=torch.bool)
     valid[1, :5] = False
@@ -116,6 +118,8 @@ def test_padding_excluded_from_outputs_and_stats():
     torch.testing.assert_close(y[valid], y_real[0], **tol(1e-6, 1e-6))
     torch.testing.assert_close(y_junk, y, atol=0, rtol=0)
     assert torch.equal(y[~valid], torch.zeros_like(y[~valid]))
+    y_tm, stats_tm = moe(x, TokenMask.of(valid))  # a stack's mask prepared once: the same figures
+    assert torch.equal(y_tm, y) and torch.equal(stats_tm.lb_loss, stats.lb_loss) and torch.equal(stats_tm.z_loss, stats.z_loss)
     for s in (stats, stats_junk):
         torch.testing.assert_close(s.lb_loss, stats_real.lb_loss)
         torch.testing.assert_close(s.z_loss, stats_real.z_loss)
@@ -255,7 +259,8 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, weighted):
     fp32 forward and backward (input, the two expert stacks, the per-row routing weights), empty
     segments included. ``tail`` rows after the last segment belong to no expert (padding): zero
     outputs, zero input and routing-weight gradients even where the caller sends them a gradient,
-    and no part in the weight gradients. Without a gradient: the same outputs."""
+    and no part in the weight gradients. Without a gradient: the same outputs. Without tail rows,
+    ``tail=False`` (no masks) gives the same figures."""
     E, I = len(sizes), 24
     n = sum(sizes)
     g = torch.Generator().manual_seed(0)
@@ -276,6 +281,10 @@ def test_grouped_swiglu_equals_split_loop(monkeypatch, sizes, tail, weighted):
         assert not y[n:].any() and not grads[0][n:].any() and not (weighted and grads[3][n:].any())
         with torch.no_grad():
             torch.testing.assert_close(grouped_swiglu(x, offs, *ws), y, rtol=0, atol=0)
+        if grouped and not tail:  # every row in a segment: the caller may spare the masks, same figures
+            y_nt = grouped_swiglu(leaves[0], offs, *leaves[1:3], leaves[3] if weighted else None, tail=False)
+            grads_nt = torch.autograd.grad((y_nt * g_out).sum(), leaves)
+            assert torch.equal(y_nt, y) and all(torch.equal(a, b) for a, b in zip(grads_nt, grads))
         outs.append((y, grads))
     (y1, g1), (y2, g2) = outs
     torch.testing.assert_close(y1, y2, **tol(1e-5, 1e-5))
@@ -421,3 +430,45 @@ def test_grouped_mm_bf16_matches_fp32_loop(monkeypatch, n_tokens, padded):
     assert _rel_err(y1, y2) < BF16_REL, _rel_err(y1, y2)
     if padded:
         assert torch.equal(y1[~valid], torch.zeros_like(y1[~valid]))
+
+
+def test_normalize_rows_is_the_plain_quotient_forward_and_backward():
+    """The top-k weights' normalisation: the plain quotient's figures forward (bit-equal) and its
+    gradient (gradcheck in fp64; fp32 to rounding)."""
+    from vlm.modeling.moe import NormalizeRows
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(40, 3, dtype=torch.float64, generator=g).add(0.1).requires_grad_()
+    assert torch.autograd.gradcheck(NormalizeRows.apply, (w,))
+    w32, g_out = w.detach().float().requires_grad_(), torch.randn(40, 3, generator=g)
+    ref = w32 / w32.sum(-1, keepdim=True)
+    (g_ref,) = torch.autograd.grad((ref * g_out).sum(), w32)
+    out = NormalizeRows.apply(w32)
+    (g_got,) = torch.autograd.grad((out * g_out).sum(), w32)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_router_z_is_the_masked_logsumexp_square_sum(padded):
+    """The z-loss sum with its gradient from the router's probabilities == autograd through
+    logsumexp and the square (fp64 gradcheck; fp32 to rounding); padding rows give nothing."""
+    from vlm.modeling.moe import RouterZ
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 5, dtype=torch.float64, generator=g).mul(3).requires_grad_()
+    pad = (torch.arange(12) % 4 == 0) if padded else None
+
+    def z(lg):
+        return RouterZ.apply(lg, lg.softmax(-1), pad)
+    assert torch.autograd.gradcheck(z, (logits,))
+    lg32 = logits.detach().float().requires_grad_()
+    lse = torch.logsumexp(lg32, -1)
+    ref = (lse.pow(2) if pad is None else torch.where(pad, 0.0, lse.pow(2))).sum()
+    (g_ref,) = torch.autograd.grad(ref, lg32)
+    got = z(lg32)
+    (g_got,) = torch.autograd.grad(got, lg32)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-6)
+    if padded:
+        assert not g_got[pad].any()

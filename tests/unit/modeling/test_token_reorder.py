@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm.modeling.token_reorder import (gather_rows, gather_rows_reference, inverse_order, scatter_sum,
+from vlm.modeling.token_reorder import (gather_rows, gather_rows_reference, inverse_order, permute_rows, scatter_sum,
                                         scatter_sum_reference)
 
 N, K, D = 11, 3, 8
@@ -44,3 +44,18 @@ def test_match_plain_indexing_forward_and_backward(dtype, S):
         torch.testing.assert_close(a.float(), b.float(), **(tol if name in ("rows", "y grad") else
                                                              dict(rtol=1e-5, atol=1e-6) if dtype != torch.bfloat16 else tol),
                                    msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_rows_is_plain_indexing_forward_and_backward(dtype):
+    order, _, inverse = _order(3)
+    g = torch.Generator().manual_seed(4)
+    w, g_out = torch.rand(N * K, generator=g).to(dtype), torch.randn(N * K, generator=g).to(dtype)
+    grads = []
+    for fn in (lambda x: permute_rows(x, order, inverse), lambda x: x[order]):
+        xl = w.clone().requires_grad_()
+        out = fn(xl)
+        (out * g_out).sum().backward()
+        grads.append((out, xl.grad))
+    (a, ga), (b, gb) = grads
+    assert torch.equal(a, b) and torch.equal(ga, gb)  # a permutation: one term per gradient entry, exact
