@@ -166,7 +166,9 @@ def render_overhead(run: dict) -> str:
         gb = r["graph_breaks"]
         breaks = "n/a" if gb is None else ("does not trace" if gb.get("error") else str(gb["breaks"]))
         lines.append(f"| {name} | {r['ops']:,} | {ph.get('forward', 0):,} | {ph.get('backward', 0):,} | "
-                     f"{ph.get('optimizer step', 0):,} | {sum(r['named_syncs'].values())} / {len(r['unnamed_syncs'])} | "
+                     f"{ph.get('optimizer step', 0):,} | {sum(r['named_syncs'].values())}"
+                     + (f" ({r['named_syncs_cpu_only']} CPU-only)" if r.get("named_syncs_cpu_only") else "")
+                     + f" / {len(r['unnamed_syncs'])} | "
                      f"{breaks} |")
     lines += ["", "| target | ConceptMoE | plain MoE twin | verdict |", "| --- | ---: | ---: | --- |"]
     whats = list(dict.fromkeys(t["what"] for t in run["targets"]))
@@ -184,7 +186,8 @@ def render_overhead(run: dict) -> str:
             "(`benchmarks/results/overhead.json`).\n")
 
 
-INFERENCE_MODES = {"ours": "ours, plain MoE", "ours_R2": "ours, ConceptMoE R = 2 (converted)",
+INFERENCE_MODES = {"ours": "ours, plain MoE", "ours_compiled": "ours, plain MoE, compiled decode",
+                   "ours_cudagraph": "ours, plain MoE, CUDA-graph decode", "ours_R2": "ours, ConceptMoE R = 2 (converted)",
                    "hf_static": "transformers StaticCache", "hf_static_compiled": "transformers StaticCache + compile"}
 
 
