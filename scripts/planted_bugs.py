@@ -127,6 +127,15 @@ PLANTS = [
   "        if state is not None and attention_mask is not None and doc_layout is None and segment_ids is None:\n",
   "        if False:\n",
   "tests/unit/modeling/test_decode_syncs.py::test_prefill_reads_only_the_mask_and_the_concept_counts"),
+ # issue 34, items 2-3: DeepSpeed's own norm (bool() on the norm tensor per group), its bucket copies on one rank
+ ("34-norm-read", "vlm/training/trainer.py",
+  "        self.one_norm_read = use_one_norm_read(self.engine.optimizer)\n",
+  "        self.one_norm_read = False\n",
+  "tests/unit/training/test_zero_norm.py::test_trainer_step_reads_the_device_once_for_the_norm"),
+ ("34-contiguous", "vlm/training/distributed.py",
+  '        zo["contiguous_gradients"] = False\n',
+  '        zo["contiguous_gradients"] = True\n',
+  "tests/unit/training/test_one_rank.py::test_backward_launches_no_per_parameter_copy"),
 ]
 
 
