@@ -51,8 +51,7 @@ def packed_batch(T: int, vocab: int, seed: int = 0) -> dict:
     labels[pos == 0] = -100
     from vlm.modeling.varlen import DocLayout
 
-    layout = DocLayout.build(torch.ones_like(ids, dtype=torch.bool), seg)  # on the host, as the collator does
-    _ = layout.pieces  # the CPU loop kernel's document runs, as the collator computes them
+    layout = DocLayout.on_host(torch.ones_like(ids, dtype=torch.bool), seg)  # as the collator builds it
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "position_ids": pos,
             "segment_ids": seg, "pixel_values": None, "skipped": {}, "num_samples": DOCS, "doc_layout": layout}
 

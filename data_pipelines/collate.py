@@ -171,7 +171,5 @@ class PackingCollator(PadCollator):
         # the device instead of reading the device to build it (vlm/modeling/varlen.py)
         batch["doc_layout"] = None
         if rows:
-            layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
-            layout.pieces  # the CPU loop kernel's document runs, also read here once
-            batch["doc_layout"] = layout
+            batch["doc_layout"] = DocLayout.on_host(batch["attention_mask"].bool(), batch["segment_ids"])
         return batch

@@ -278,9 +278,7 @@ def prompt_layout(attention_mask: torch.Tensor) -> tuple[bool, varlen.DocLayout 
     with host_sync(HOST_LAYOUT):
         if bool(valid_BT.all()):
             return False, None
-        layout = varlen.DocLayout.build(valid_BT, None, reason=HOST_LAYOUT)
-        layout.__dict__["pieces"] = layout._pieces()  # (the CPU loop kernel's list, here on the host too)
-    return True, layout
+    return True, varlen.DocLayout.on_host(valid_BT, None, reason=HOST_LAYOUT)
 
 
 def prompt_concept_counts(b_BT: torch.Tensor) -> list[int]:
@@ -295,11 +293,8 @@ def concept_layout_from_counts(counts: list[int], M: int) -> varlen.DocLayout | 
     (None: no padding, plain causal attention)."""
     if min(counts) == M:
         return None
-    with host_sync(HOST_LAYOUT):
-        valid_BM = torch.arange(M)[None] < torch.tensor(counts)[:, None]
-        layout = varlen.DocLayout.build(valid_BM, None, reason=HOST_LAYOUT)
-        layout.__dict__["pieces"] = layout._pieces()
-    return layout
+    valid_BM = torch.arange(M)[None] < torch.tensor(counts)[:, None]
+    return varlen.DocLayout.on_host(valid_BM, None, reason=HOST_LAYOUT)
 
 
 class CompressionStats(Mapping):

@@ -116,6 +116,17 @@ class DocLayout:
             return cls._build(valid_BT, segment_BT)
 
     @classmethod
+    def on_host(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None,
+                reason: str = LAYOUT_SYNC) -> DocLayout:
+        """``build`` on host tensors with the loop kernel's document runs (``pieces``) computed now too,
+        both under ``reason``: the packing collator's layout, the prefill's; the model moves it to the
+        device (``to``) and reads nothing in the step."""
+        with host_sync(reason):
+            layout = cls._build(valid_BT, segment_BT)
+            layout.__dict__["pieces"] = layout._pieces()
+        return layout
+
+    @classmethod
     def _build(cls, valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None) -> DocLayout:
         ref = valid_BT if valid_BT is not None else segment_BT
         if ref is None:

@@ -49,8 +49,7 @@ def test_packed_batch_with_host_layout_reads_no_concept_count(overrides):
     loss and gradients as reading M."""
     model = build_model(**overrides).train()
     batch = _packed()
-    layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
-    _ = layout.pieces  # as the collator does
+    layout = DocLayout.on_host(batch["attention_mask"].bool(), batch["segment_ids"])  # as the collator does
     ref = _step(model, {**batch, "doc_layout": layout}, "exact")
     got = _step(model, {**batch, "doc_layout": layout}, "tokens")  # what "auto" takes on a GPU
     assert ref[2][CONCEPT_SYNC] == 1 and got[2][CONCEPT_SYNC] == 0, (ref[2], got[2])

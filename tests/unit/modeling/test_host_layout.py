@@ -37,8 +37,7 @@ def test_host_layout_gives_the_same_loss_and_gradients_without_the_token_layout_
     torch.manual_seed(0)
     model = build_model(chunking=chunking)
     batch = _packed()
-    layout = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
-    layout.pieces  # as the collator does
+    layout = DocLayout.on_host(batch["attention_mask"].bool(), batch["segment_ids"])  # as the collator does
     runs = []
     for extra in ({}, {"doc_layout": layout}):
         model.zero_grad()
@@ -73,8 +72,8 @@ def test_the_packing_collator_ships_the_layout_of_its_batch():
     layout = batch["doc_layout"]
     ref = DocLayout.build(batch["attention_mask"].bool(), batch["segment_ids"])
     assert (layout.B, layout.T, layout.max_len) == (ref.B, ref.T, ref.max_len)
+    assert "pieces" in layout.__dict__  # computed in the collator, not in the training step (read before below)
     assert torch.equal(layout.cu_seq, ref.cu_seq) and layout.pieces == ref.pieces
-    assert "pieces" in layout.__dict__  # computed in the collator, not in the training step
 
 
 @pytest.mark.parametrize("chunking", [True, False])

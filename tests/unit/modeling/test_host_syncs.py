@@ -192,8 +192,7 @@ def test_packed_training_step_with_a_host_layout_reads_no_concept_count(monkeypa
     monkeypatch.setattr(conceptmoe, "CAPACITY", "tokens")
     model = dev(build_model("tiny_concept")).train()
     batch = {k: dev(v) for k, v in _packed().items()}
-    layout = DocLayout.build(_packed()["attention_mask"].bool(), _packed()["segment_ids"])
-    _ = layout.pieces  # as the collator does
+    layout = DocLayout.on_host(_packed()["attention_mask"].bool(), _packed()["segment_ids"])  # as the collator does
     with HostReads() as hr, syncs.counting() as named:
         model(**batch, doc_layout=layout).loss.backward()
     assert named[CONCEPT_SYNC] == 0 and hr.named()[CONCEPT_SYNC] == 0, named
