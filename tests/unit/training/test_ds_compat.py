@@ -131,7 +131,9 @@ def test_missing_attributes_and_an_older_version_leave_each_patch_out(tmp_path, 
     import deepspeed
 
     from vlm.config.train import load_train_config
-    from vlm.training.ds_compat import differences
+    from vlm.training.ds_compat import differences, fallback_line
+    from vlm.training.overflow import use_norm_overflow_check
+    from vlm.training.zero_norm import use_one_norm_read
 
     raw = config(tmp_path, name="dscompat_attrs", train={"max_steps": 1},
                  checkpoint={"every_steps": 0, "save_final": False})
@@ -140,6 +142,8 @@ def test_missing_attributes_and_an_older_version_leave_each_patch_out(tmp_path, 
     monkeypatch.delattr(opt, "compute_grad_norm")
     assert {p: "compute_grad_norm is missing" in why for p, why in differences(opt).items()} == \
         {"overflow": True, "norm": True}
+    del opt._vlm_ds_differences  # as at engine build on that DeepSpeed: the patches leave it be, no AttributeError
+    assert (use_norm_overflow_check(opt), use_one_norm_read(opt), fallback_line(opt) is not None) == (False, False, True)
     monkeypatch.undo()
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     assert set(differences(opt)) == {"overflow", "norm", "one_rank"}
