@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 
 import torch
 
@@ -47,13 +48,9 @@ MODULE_NAMES = {
 
 def version_difference(version: str) -> str | None:
     """None when ``version`` (e.g. "0.19.8+abc") is inside TESTED."""
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    if not parts or not (TESTED_FROM <= tuple(parts) and tuple(parts[:2]) < TESTED_BELOW):
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    parts = tuple(int(x or 0) for x in m.groups()) if m else None
+    if parts is None or not (TESTED_FROM <= parts and parts[:2] < TESTED_BELOW):
         return f"DeepSpeed {version} is outside the tested range {TESTED}"
     return None
 
@@ -190,6 +187,9 @@ def fallback_line(optimizer) -> str | None:
         return None
     from deepspeed import __version__
 
-    what = "; ".join(f"{PATCHES[p]}: {why}" for p, why in found.items())
+    by_reason: dict[str, list[str]] = {}
+    for patch, why in found.items():
+        by_reason.setdefault(why, []).append(PATCHES[patch])
+    what = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
     return (f"[train] DeepSpeed {__version__} differs from the one the ZeRO-1/2 patches were tested on ({TESTED}); "
             f"DeepSpeed's own path for {what}")

@@ -22,8 +22,8 @@ def test_pyproject_range_is_the_tested_one_and_holds_the_installed_deepspeed():
     assert [ln.split('"')[1] for ln in pyproject.splitlines() if ln.strip().startswith('"deepspeed')] == \
         [f"deepspeed{TESTED}"]
     assert version_difference(deepspeed.__version__) is None
-    assert [version_difference(v) is None for v in ("0.19.8", "0.19.9+cu", "0.19.7", "0.20.0", "0.16.4", "x")] == \
-        [True, True, False, False, False, False]
+    assert [version_difference(v) is None for v in ("0.19.8", "0.19.9+cu", "0.19.10", "0.19.7", "0.20.0rc1",
+                                                       "0.16.4", "1.0", "x")] == [True, True, True] + [False] * 5
 
 
 def _fit_nan_at_2(tmp_path, monkeypatch, precision: str, **raw):
@@ -147,3 +147,7 @@ def test_missing_attributes_and_an_older_version_leave_each_patch_out(tmp_path, 
     monkeypatch.undo()
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     assert set(differences(opt)) == {"overflow", "norm", "one_rank"}
+    opt._vlm_ds_differences = differences(opt)
+    assert fallback_line(opt).endswith("the overflow check (overflow.py), the gradient norm (zero_norm.py), the one-rank "
+                                       "reduction (one_rank.py): DeepSpeed 0.20.1 is outside the tested range "
+                                       ">=0.19.8,<0.20")
