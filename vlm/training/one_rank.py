@@ -4,9 +4,11 @@ On one rank DeepSpeed still flattens each gradient bucket, divides it by the wor
 over a group of one and copies every gradient back (``allreduce_and_copy``: a copy per parameter per step,
 ~110 launches at the 1B preset's depth). Each of these leaves the gradients bit for bit as they were, so
 ``skip_single_rank_reduction`` makes the call return at once when the group holds one rank (sequence
-parallelism off); with more ranks it is DeepSpeed's own.
+parallelism off); with more ranks, or a DeepSpeed other than the tested one (ds_compat.py), it is DeepSpeed's own.
 """
 from __future__ import annotations
+
+from vlm.training.ds_compat import patchable
 
 
 def skip_single_rank_reduction(optimizer) -> bool:
@@ -16,7 +18,9 @@ def skip_single_rank_reduction(optimizer) -> bool:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:
         return False
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.sequence_parallel_size != 1:
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not patchable(optimizer, "one_rank"):
+        return False
+    if optimizer.sequence_parallel_size != 1:
         return False
     if dist.get_world_size(group=optimizer.dp_process_group) != 1:
         return False

@@ -33,6 +33,7 @@ from vlm.training.distributed import (
 from vlm.flops.training import Trains
 from vlm.training.build import build_processor, setup_model, text_config_of
 from vlm.training.metrics import MetricsLogger, MfuMeter
+from vlm.training.ds_compat import fallback_line as ds_fallback_line
 from vlm.training.overflow import use_norm_overflow_check
 from vlm.training.one_rank import skip_single_rank_reduction
 from vlm.training.zero_norm import use_one_norm_read
@@ -118,6 +119,8 @@ class Trainer:
         self.norm_overflow_check = use_norm_overflow_check(self.engine.optimizer)
         self.one_norm_read = use_one_norm_read(self.engine.optimizer)
         self.single_rank_reduction_skipped = skip_single_rank_reduction(self.engine.optimizer)
+        if (line := ds_fallback_line(self.engine.optimizer)) is not None:
+            self.log_line(line)  # a patch left out: this DeepSpeed differs from the tested one (ds_compat.py)
         self.ctx = RunContext(cfg=cfg, run_dir=self.run_dir, is_main=self.is_main, zero_stage=self.zero_stage,
                               device=self.device, model_device=self.engine.device, module=self.engine.module,
                               model_config=self.model_config, processor=self.processor, tokenizer=self.tokenizer,

@@ -13,7 +13,8 @@ what the step computes and decides, and changes how:
   skipped step, so the host needs it); the logged grad norm is that same float;
 - the clip factor is computed on the host from it, and each flat gradient partition is scaled by one
   ``mul_`` (none when the factor is 1).
-Anything else (``norm_type`` other than 2, CPU offload's norm path) is DeepSpeed's own code.
+Anything else (``norm_type`` other than 2, CPU offload's norm path, a DeepSpeed other than the tested one:
+ds_compat.py) is DeepSpeed's own code.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import math
 import torch
 
 from vlm.modeling.syncs import host_sync
+from vlm.training.ds_compat import patchable
 
 NORM_READ = ("optimizer step: the global gradient norm, read once (a non-finite norm skips the step and holds the "
              "LR schedule; the clip factor and the logged grad norm come from it)")
@@ -33,7 +35,7 @@ def use_one_norm_read(optimizer) -> bool:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:
         return False
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not patchable(optimizer, "norm") or optimizer.cpu_offload:
         return False
     direct, scaled, clip = optimizer.get_grad_norm_direct, optimizer.scaled_global_norm, optimizer.unscale_and_clip_grads
 

@@ -83,3 +83,48 @@ def test_trainer_step_reads_the_device_once_for_the_norm(tmp_path, chunking):
     per_parameter = [op for phase, _, op, where in oc.ops if phase == "optimizer step" and op == "linalg_vector_norm"
                      and "stage_1_and_2.py" in where]
     assert per_parameter == []  # DeepSpeed's norm per parameter (one foreach norm per group instead)
+
+
+class Clipped(Callback):
+    """At the first micro-batch, after backward: each group's flat gradient clipped by DeepSpeed's own norm and
+    ``unscale_and_clip_grads``, and by the installed ones (the step's float norm), from the same gradients."""
+
+    def __init__(self):
+        self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.norm: float | None = None
+
+    def on_micro_batch(self, trainer, out, batch) -> None:
+        if trainer.step == 0:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+            opt = trainer.engine.optimizer
+            trainer.engine.backward(out.loss)
+            groups = range(len(opt.bit16_groups))
+            norm_ds = combine_grad_norm_groups([Zero.get_grad_norm_direct(
+                opt, opt.averaged_gradients[i], opt.params_in_partition[i]) for i in groups], norm_type=2)
+            self.norm = opt.scaled_global_norm()
+            for i in groups:
+                flat = torch.cat([g.detach().flatten() for g in opt.averaged_gradients[i]])
+                g_ds, g_ours = flat.clone(), flat.clone()
+                Zero.unscale_and_clip_grads(opt, [g_ds], norm_ds)
+                opt.unscale_and_clip_grads([g_ours], self.norm)
+                self.rows.append((flat, g_ds, g_ours))
+            raise StopTraining
+
+
+def test_clipped_gradients_equal_deepspeeds_above_max_norm(tmp_path):
+    """A norm far above ``grad_clip``: the installed clip (from the step's one float norm) scales each flat
+    gradient as DeepSpeed's own norm and clip do, and it did clip."""
+    from vlm.config.train import load_train_config
+
+    raw = config(tmp_path, name="zero_clip_eq", train={"max_steps": 1, "grad_clip": 1e-3},
+                 checkpoint={"every_steps": 0, "save_final": False})
+    clipped = Clipped()
+    with pytest.raises(StopTraining):
+        fit_inprocess(load_train_config(raw=raw), callbacks=[clipped])
+    assert isinstance(clipped.norm, float) and clipped.norm > 1e-2  # the float: zero_norm.py's path is installed
+    assert len(clipped.rows) >= 2
+    for flat, g_ds, g_ours in clipped.rows:
+        assert not torch.equal(g_ds, flat)  # clipped
+        torch.testing.assert_close(g_ours, g_ds, rtol=1e-5, atol=0)
