@@ -62,7 +62,8 @@ def _quiet_imports() -> None:
 
 def preflight(args: argparse.Namespace):
     """What is checked before the Trainer (DeepSpeed, the model, the process group), cheapest first:
-    the config and its overrides, the data files (present, not all empty) and the ``--resume`` path
+    the config and its overrides, the model's folders and what needs CUDA (device: cuda, a fused kernel
+    named), the data files (present, not all empty) and the ``--resume`` path
     without torch or transformers loaded; then the model config of a preset (with its tokenizer; a
     pretrained folder's is read by the trainer), which needs transformers. Returns the config;
     raises ``ConfigError`` / ``FileNotFoundError`` (one line each)."""
@@ -70,6 +71,7 @@ def preflight(args: argparse.Namespace):
     from vlm.modeling.config_base import ConfigError
     from vlm.training.checkpoint_paths import resolve_resume
     from vlm.training.data import check_data_paths
+    from vlm.training.machine_checks import check_machine
 
     cfg = load_train_config(args.config, args.overrides)
     if args.no_eval:
@@ -77,6 +79,7 @@ def preflight(args: argparse.Namespace):
     if os.environ.get(FAULT_ENV):
         raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
                           "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
+    check_machine(cfg)
     check_data_paths(cfg)
     resolve_resume(args.resume, cfg.ckpt_dir)
     if cfg.model.preset is not None and not cfg.model.llm:

@@ -107,6 +107,72 @@ def test_bad_input_is_one_line_before_deepspeed_and_the_model(case, tmp_path, mo
     assert capsys.readouterr().err.splitlines() == [line]
 
 
+def _machine_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments, the one line expected): choices the machine or the file system refuses."""
+    default = "configs/train/default.yaml"
+    return {
+        "liger on the CPU": ([ "--config", default, "device=cpu", "train.fused_kernels.cross_entropy=liger"],
+                             "error: config error: train.fused_kernels.cross_entropy=liger: the fused kernels run on "
+                             "CUDA, the device is cpu (auto or torch runs here)"),
+        "triton on the CPU": (["--config", default, "device=cpu", "train.fused_kernels.swiglu=triton"],
+                              "error: config error: train.fused_kernels.swiglu=triton: the fused kernels run on "
+                              "CUDA, the device is cpu (auto or torch runs here)"),
+        "tokenizer missing": (["--config", default, f"model.tokenizer={tmp / 'tok'}"],
+                              f"error: config error: model.tokenizer: folder not found: {tmp / 'tok'} (run `make data`?)"),
+        "init_from missing": (["--config", default, f"model.init_from={tmp / 'hf'}"],
+                              f"error: config error: model.init_from: folder not found: {tmp / 'hf'} "
+                              "(run the previous stage first?)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["liger on the CPU", "triton on the CPU", "tokenizer missing", "init_from missing"])
+def test_machine_choices_are_refused_before_the_model_is_built(case, tmp_path, monkeypatch, capsys):
+    """Issue 39: `train.fused_kernels.*=liger` on a CPU was refused after 25-31 s (the trainer's modules and
+    the model config first), a missing model.tokenizer after 9 s. Now one line, exit 2, before the model
+    builder (vlm.training.build), the trainer or DeepSpeed are imported: reaching them is an ImportError here."""
+    from vlm.train import main
+
+    argv, line = _machine_cases(tmp_path)[case]
+    monkeypatch.chdir(REPO_ROOT)
+    for name in ("deepspeed", "vlm.training.build", "vlm.training.trainer", "vlm.training.callbacks.defaults"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` -> ImportError
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_device_auto_asks_for_cuda_only_when_a_fused_kernel_is_named():
+    """``device: auto``: nothing named, CUDA is not asked about (no torch); a fused kernel named on a machine
+    without CUDA is the one line; the kernel names and packages are fused_kernels' own."""
+    from vlm.modeling import fused_kernels
+    from vlm.modeling.config_base import ConfigError
+    from vlm.training import machine_checks
+
+    asked = []
+
+    def no_cuda():
+        asked.append(1)
+        return False
+
+    machine_checks.check_device_choices(load_train_config("configs/train/default.yaml"), no_cuda)
+    assert asked == []
+    cfg = load_train_config("configs/train/default.yaml", ["train.fused_kernels.rms_norm=liger"])
+    with pytest.raises(ConfigError, match=r"^config error: train.fused_kernels.rms_norm=liger: the fused kernels run "
+                                          r"on CUDA, the device is cpu"):
+        machine_checks.check_device_choices(cfg, no_cuda)
+    assert asked == [1]
+    with pytest.raises(ConfigError, match="^config error: device: cuda was asked for but this machine has no CUDA"):
+        machine_checks.check_device_choices(load_train_config("configs/train/default.yaml", ["device=cuda"]), no_cuda)
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:  # a GPU and the package: accepted
+        machine_checks.check_device_choices(cfg, lambda: True)
+    else:
+        with pytest.raises(ConfigError, match="liger-kernel .* is not installed"):
+            machine_checks.check_device_choices(cfg, lambda: True)
+    assert (machine_checks.FUSED, machine_checks.PACKAGE, machine_checks.DIST) == \
+        (fused_kernels.FUSED, fused_kernels.PACKAGE, fused_kernels.DIST)
+
+
 def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monkeypatch, capsys):
     """A real SIGINT to this process at step 3 (checkpoints every 2 steps): exit 130 and one line on
     stderr, the step, the newest checkpoint and `--resume auto`, no traceback (issue 33); the
@@ -193,7 +259,7 @@ def test_bad_input_and_help_come_before_torch(case, tmp_path):
 
 # what preflight imports before the model config (the modules; their functions' own imports are not followed)
 PREFLIGHT_MODULES = ("vlm.train", "vlm.config.train", "vlm.modeling.config_base", "vlm.modeling.safe_loading",
-                     "vlm.training.checkpoint_paths", "vlm.training.data")
+                     "vlm.training.checkpoint_paths", "vlm.training.data", "vlm.training.machine_checks")
 
 
 def module_level_imports(names, root: Path = REPO_ROOT) -> tuple[set[str], set[str]]:
