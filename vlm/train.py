@@ -14,6 +14,7 @@ if __name__ == "__main__" and not __package__:  # `deepspeed vlm/train.py`: make
 import argparse
 
 FAULT_ENV = "VLM_TRAIN_FAULT"  # read by vlm/reliability/train.py only
+RERUN_ENV = "VLM_RERUN"  # set by `make train-vlm`: the make command that reran this run (+ RESUME=auto resumes)
 
 USAGE = """\
 The same command runs under every launcher (DeepSpeed is the engine in every mode):
@@ -31,7 +32,8 @@ run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a c
 Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted
 on non-finite steps, 4 a collective failed (another rank died or stalled longer than dist_timeout_s),
 5 a checkpoint could not be written (e.g. disk full; the previous one is intact), 130 interrupted
-(Ctrl-C): one line per rank names the newest checkpoint; rerun with --resume auto.
+(Ctrl-C): one line per rank names the newest checkpoint and the command that resumes from it
+(`make train-vlm RESUME=auto` under make; this command with --resume auto).
 """
 
 
@@ -92,6 +94,20 @@ def preflight(args: argparse.Namespace):
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: `make train-vlm ... RESUME=auto` when make started it, else
+    this process's own command line with ``--resume auto``."""
+    import shlex
+
+    if os.environ.get(RERUN_ENV):
+        return f"{os.environ[RERUN_ENV]} RESUME=auto"
+    python = sys.executable
+    if python.startswith(os.getcwd() + os.sep):
+        python = os.path.relpath(python)
+    return shlex.join([python, "-m", "vlm.train", "--config", args.config, *(["--no-eval"] if args.no_eval else []),
+                       *args.overrides, "--resume", "auto"])
+
+
 def say(line: str) -> None:
     """One line on stderr in one write: under torchrun every rank writes to the same pipe, and print's
     separate write of the newline lets two ranks' lines run together."""
@@ -108,6 +124,7 @@ class Interrupts:
     def __init__(self):
         self.received: list[int] = []
         self.exiting = False
+        self.resume_command = "the same command with --resume auto"  # main sets the exact one
         self._previous = None
 
     def __enter__(self) -> Interrupts:
@@ -140,8 +157,12 @@ class Interrupts:
         world = trainer.world_size if trainer is not None else int(os.environ.get("WORLD_SIZE", 1))
         where = f"at step {trainer.step}" if trainer is not None else "before the first step"
         newest = find_checkpoint(cfg.ckpt_dir)
-        hint = (f"newest checkpoint {newest}: rerun with --resume auto" if newest is not None
-                else f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again")
+        if newest is None:
+            hint = f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again"
+        elif world > 1:  # under a launcher: its own command line is not known here
+            hint = f"newest checkpoint {newest}: rerun with --resume auto"
+        else:
+            hint = f"newest checkpoint {newest}; continue with: {self.resume_command}"
         say(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}")
         return INTERRUPTED
 
@@ -160,6 +181,7 @@ def main(argv=None, extra_callbacks=()) -> int:
         say(f"error: {err}")
         return 2
     with Interrupts() as interrupts:
+        interrupts.resume_command = resume_command(args)
         return _run(args, cfg, extra_callbacks, interrupts)
 
 

@@ -181,7 +181,7 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     import signal
 
     from vlm.reliability.runs import TINY_LM, config, write_config
-    from vlm.train import INTERRUPTED, main
+    from vlm.train import INTERRUPTED, RERUN_ENV, main, resume_command
     from vlm.training.callbacks.base import Callback
 
     class CtrlC(Callback):
@@ -192,11 +192,13 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     cfg = write_config(tmp_path, config(tmp_path, TINY_LM, name="ctrl-c", train={"max_steps": 6},
                                         checkpoint={"every_steps": 2}))
     monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv(RERUN_ENV, raising=False)
     before = signal.getsignal(signal.SIGINT)
     assert main(["--config", str(cfg)], extra_callbacks=[CtrlC()]) == INTERRUPTED
     ckpt = tmp_path / "ctrl-c" / "ckpt" / "step_000002"
-    assert capsys.readouterr().err.splitlines() == [
-        f"interrupted at step 3; newest checkpoint {ckpt}: rerun with --resume auto"]
+    assert capsys.readouterr().err.splitlines() == [  # issue 39: the exact command to type, not only its flag
+        f"interrupted at step 3; newest checkpoint {ckpt}; continue with: {resume_command(parse_args(['--config', str(cfg)]))}"]
+    assert resume_command(parse_args(["--config", str(cfg)])).endswith(f"-m vlm.train --config {cfg} --resume auto")
     assert signal.getsignal(signal.SIGINT) is before
 
 
