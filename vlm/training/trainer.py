@@ -74,6 +74,8 @@ class Trainer:
         info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
         self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
         self.is_main = self.rank == 0
+        if info["warning"]:  # more CPU ranks than cores (rank 0 says it)
+            self.log_line(info["warning"])
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device == "cuda")
         if self.bf16 and self.device == "cpu":
             self.log_line("[train] precision bf16 asked for on CPU: using it (slow); precision: auto gives fp32")
