@@ -68,8 +68,10 @@ EVAL_ARGS ?=
 eval: $(DATA_STAMP)
 	$(PY) -m eval_suites.run --checkpoint $(CKPT) --tasks $(TASKS) $(if $(HF_HOME),--hf-home $(HF_HOME)) $(EVAL_ARGS)
 
+# results in runs/bench/; RECORD=1 writes the recorded figures in benchmarks/results/ (README, docs quote them)
+RECORD ?=
 bench: $(DATA_STAMP)
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(RECORD),--record)
 
 compare: $(DATA_STAMP)
 	$(PY) -m vlm.compare --config $(COMPARE)

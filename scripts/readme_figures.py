@@ -2,7 +2,7 @@
 
     make train-vlm && make eval EVAL_ARGS="--name train-vlm"
     python scripts/readme_figures.py --publish runs/train-vlm --eval runs/eval/train-vlm [--commit SHA]
-    python scripts/readme_figures.py --bench      # after make bench: the benchmark table from benchmarks/results/
+    python scripts/readme_figures.py --bench      # after make bench RECORD=1: the tables from benchmarks/results/
     python scripts/readme_figures.py --check      # exit 1 when a page differs from those files
 
 ``--publish`` copies the run's ``summary.json`` (written by ``make train-vlm``) and the eval's
@@ -10,9 +10,9 @@
 (the run's commit, whether this tree's code / configs differ from it, date, CPU count, the model's target
 R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
-(``prefill.json``, ``decode.json``: written by ``make bench``; ``vs_transformers.json`` and
-``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``; ``overhead.json``: written by
-``python -m benchmarks.overhead``; ``inference.json``: written by ``python -m benchmarks.inference``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
+(``prefill.json``, ``decode.json``: written by ``make bench RECORD=1``; ``vs_transformers.json`` and
+``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers --record``; ``overhead.json``: written by
+``python -m benchmarks.overhead --record``; ``inference.json``: written by ``python -m benchmarks.inference --record``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", type=Path, help="a make eval run folder (results.json)")
     ap.add_argument("--commit", default="HEAD", help="the commit the run was made at (default: HEAD)")
     ap.add_argument("--bench", action="store_true", help="rewrite the spans from the committed files only "
-                                                         "(after make bench wrote benchmarks/results/)")
+                                                         "(after make bench RECORD=1 wrote benchmarks/results/)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a page differs from the files (the default)")
     args = ap.parse_args(argv)
     if bool(args.publish) != bool(args.eval) or (args.check and (args.publish or args.bench)):
