@@ -86,6 +86,9 @@ def test_a_resumed_run_says_so_before_the_init_lines(tmp_path, capsys):
     assert 0 <= own <= wall and own <= rows["train time, steps 1-3 (incl. before the resume)"], rows
     summary = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert summary["resumed_at_step"] == 2
+    from vlm.training.peak import cpu_model
+
+    assert summary["machine"]["cpu"] == cpu_model()  # README's figure names it (scripts/readme_figures.py)
     assert 0 < summary["train_time_this_process_s"] < summary["train_time_s"], summary
 
 

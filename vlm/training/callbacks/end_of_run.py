@@ -160,6 +160,15 @@ def time_rows(progress: Progress, wall_s: float, resumed_at: tuple[int, float] |
             ("wall time, this process (startup, train, export, eval)", f"{wall_s:.1f} s")]
 
 
+def machine() -> dict:
+    """Where the run ran, for the figures quoted from summary.json (scripts/readme_figures.py)."""
+    import os
+
+    from vlm.training.peak import cpu_model
+
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count()}
+
+
 def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
            resumed_at: tuple[int, float] | None = None) -> dict:
     """Collective: export (if asked), eval (if configured), summary table and <run>/summary.json.
@@ -177,7 +186,7 @@ def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
                        "resumed_at_step": resumed_at[0] if resumed_at else None,
                        "train_time_this_process_s": progress.train_time_s - (resumed_at[1] if resumed_at else 0.0),
                        "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics(),
-                       "mfu_peak": peak_label},
+                       "mfu_peak": peak_label, "machine": machine()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}
 
