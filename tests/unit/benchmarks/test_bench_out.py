@@ -19,10 +19,14 @@ def _run_all_out(monkeypatch, argv) -> list:
     return seen
 
 
-def test_run_all_writes_runs_bench_unless_asked_to_record(monkeypatch):
-    assert _run_all_out(monkeypatch, []) == [ROOT / "runs" / "bench"]
-    assert _run_all_out(monkeypatch, ["--record"]) == [ROOT / "benchmarks" / "results"]
-    assert [str(p) for p in _run_all_out(monkeypatch, ["--out", "/tmp/x"])] == ["/tmp/x"]
+def test_run_all_writes_runs_bench_unless_asked_to_record(monkeypatch, tmp_path):
+    assert (cli.SCRATCH, cli.RESULTS) == (ROOT / "runs" / "bench", ROOT / "benchmarks" / "results")
+    # the two folders moved under tmp_path: run_all creates the one it writes to
+    monkeypatch.setattr(cli, "SCRATCH", tmp_path / "scratch")
+    monkeypatch.setattr(cli, "RESULTS", tmp_path / "recorded")
+    assert _run_all_out(monkeypatch, []) == [tmp_path / "scratch"]
+    assert _run_all_out(monkeypatch, ["--record"]) == [tmp_path / "recorded"]
+    assert _run_all_out(monkeypatch, ["--out", str(tmp_path / "x")]) == [tmp_path / "x"]
 
 
 def test_each_benchmark_script_the_same():
