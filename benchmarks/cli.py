@@ -36,9 +36,9 @@ def base_parser(name: str, doc: str, size_help: str) -> argparse.ArgumentParser:
 
 
 def add_out_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default=None, help=f"results folder (default {SCRATCH.relative_to(ROOT)}/)")
+    ap.add_argument("--out", default=None, help="results folder (default runs/bench/)")
     ap.add_argument("--record", action="store_true",
-                    help=f"write the recorded figures, {RESULTS.relative_to(ROOT)}/ (what README and docs quote)")
+                    help="write the recorded figures, benchmarks/results/ (what README and docs quote)")
 
 
 def out_dir(args: argparse.Namespace) -> Path:
