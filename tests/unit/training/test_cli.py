@@ -230,12 +230,14 @@ def _light_cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "every dataset empty": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'empty.txt'}}}]"],
                                 2, "error: config error: data: no records to draw from: every dataset with a weight "
                                 f"above 0 is an empty file (data.datasets[0].path {tmp / 'empty.txt'})"),
+        **{name: (argv, 2, line) for name, (argv, line) in _machine_cases(tmp).items()},
     }
 
 
 @pytest.mark.integration  # a fresh interpreter: what `python -m vlm.train` imports is only seen there
 @pytest.mark.parametrize("case", ["help", "bad override", "unknown key", "config file missing",
-                                  "resume path missing", "data file missing", "every dataset empty"])
+                                  "resume path missing", "data file missing", "every dataset empty",
+                                  "liger on the CPU", "tokenizer missing"])
 def test_bad_input_and_help_come_before_torch(case, tmp_path):
     """``python -m vlm.train`` with bad input or ``--help``: the one line and its exit code, and neither
     torch, transformers nor DeepSpeed imported on the way (``-X importtime`` lists every import, also
