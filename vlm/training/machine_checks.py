@@ -1,6 +1,7 @@
 """Choices this machine or the file system decides, checked by ``python -m vlm.train`` right after the
 config and before the model config, the model or DeepSpeed: the model's folders exist, ``device: cuda``
-and a fused kernel named by ``train.fused_kernels`` have a CUDA device (and the kernel's package).
+and a fused kernel named by ``train.fused_kernels`` have a CUDA device (and the kernel's package), and
+``parallel.expert_parallel_size`` divides the launcher's world size.
 Files only, and torch imported only when a GPU's device node is there to be asked about."""
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ def check_device_choices(cfg, has_cuda=cuda_present) -> None:
             raise ConfigError(f"config error: train.fused_kernels.{kernel}={name}: {DIST[name]} is not installed")
 
 
+def check_world_size(cfg, env=os.environ) -> None:
+    """``parallel.expert_parallel_size`` must divide the world size the launcher set (WORLD_SIZE; 1 without
+    one); what it needs of the model is checked once the model is built (expert_parallel.check_supported)."""
+    n, world = cfg.parallel.expert_parallel_size, int(env.get("WORLD_SIZE") or 1)
+    if world % n:
+        raise ConfigError(f"config error: parallel.expert_parallel_size: {n}: it must divide the world size {world}")
+
+
 def check_machine(cfg, has_cuda=cuda_present) -> None:
     check_model_folders(cfg)
     check_device_choices(cfg, has_cuda)
+    check_world_size(cfg)

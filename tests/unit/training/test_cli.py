@@ -122,10 +122,14 @@ def _machine_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "init_from missing": (["--config", default, f"model.init_from={tmp / 'hf'}"],
                               f"error: config error: model.init_from: folder not found: {tmp / 'hf'} "
                               "(run the previous stage first?)"),
+        "experts over more ranks than launched": (["--config", default, "parallel.expert_parallel_size=2"],
+                                                  "error: config error: parallel.expert_parallel_size: 2: it must "
+                                                  "divide the world size 1"),
     }
 
 
-@pytest.mark.parametrize("case", ["liger on the CPU", "triton on the CPU", "tokenizer missing", "init_from missing"])
+@pytest.mark.parametrize("case", ["liger on the CPU", "triton on the CPU", "tokenizer missing", "init_from missing",
+                                  "experts over more ranks than launched"])
 def test_machine_choices_are_refused_before_the_model_is_built(case, tmp_path, monkeypatch, capsys):
     """Issue 39: `train.fused_kernels.*=liger` on a CPU was refused after 25-31 s (the trainer's modules and
     the model config first), a missing model.tokenizer after 9 s. Now one line, exit 2, before the model
@@ -134,6 +138,7 @@ def test_machine_choices_are_refused_before_the_model_is_built(case, tmp_path, m
 
     argv, line = _machine_cases(tmp_path)[case]
     monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # no launcher
     for name in ("deepspeed", "vlm.training.build", "vlm.training.trainer", "vlm.training.callbacks.defaults"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` -> ImportError
     assert main(argv) == 2
