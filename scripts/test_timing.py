@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script file
     sys.path.insert(0, str(ROOT))
-from vlm.training.peak import cpu_model  # noqa: E402
+from vlm.training.peak import cpu_model
+
 OUT = ROOT / "docs" / "results" / "tests"
 TIERS = {"unit": (["tests/unit", "-m", "not integration"], {"OMP_NUM_THREADS": "1"}),
          "integration": (["-m", "integration"], {})}

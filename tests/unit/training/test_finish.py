@@ -1,16 +1,14 @@
 """After training (vlm/training/callbacks/end_of_run.py) and a fresh run in the same folder: the export's vision
-load line names the trained weights it really holds (with their checksum), and a fresh run sets the
-earlier run's export aside (hf.previous) with one line instead of replacing it."""
+load line names the trained weights it really holds (with their checksum); a fresh run that exports sets the
+earlier run's export aside (hf.previous) only once its own is complete, one that does not at its start."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
-import pytest
-
-import logging
-
 import _train_helpers as helpers
+import pytest
 
 from vlm.modeling.vision_hub import weights_digest
 
