@@ -51,8 +51,13 @@ test: test-unit
 test-unit: $(DATA_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
+# RESUME=auto continues the run from its newest checkpoint (or RESUME=<checkpoint folder>); ARGS: more
+# vlm.train arguments (dotted.key=value overrides). VLM_RERUN: the command the Ctrl-C line names (+ RESUME=auto)
+RESUME ?=
+ARGS ?=
+train-vlm: export VLM_RERUN = make train-vlm$(if $(filter-out configs/train/default.yaml,$(CONFIG)), CONFIG=$(CONFIG))$(if $(ARGS), ARGS='$(ARGS)')
 train-vlm: $(DATA_STAMP)
-	$(PY) -m vlm.train --config $(CONFIG)
+	$(PY) -m vlm.train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(ARGS)
 
 # Stock lmms-eval tasks (TASKS=mme,pope,...) read the Hugging Face datasets cache of HF_HOME
 # (offline): fill it once from local parquet files, then pass the same HF_HOME, e.g.
@@ -63,8 +68,10 @@ EVAL_ARGS ?=
 eval: $(DATA_STAMP)
 	$(PY) -m eval_suites.run --checkpoint $(CKPT) --tasks $(TASKS) $(if $(HF_HOME),--hf-home $(HF_HOME)) $(EVAL_ARGS)
 
+# results in runs/bench/; RECORD=1 writes the recorded figures in benchmarks/results/ (README, docs quote them)
+RECORD ?=
 bench: $(DATA_STAMP)
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(RECORD),--record)
 
 compare: $(DATA_STAMP)
 	$(PY) -m vlm.compare --config $(COMPARE)

@@ -12,7 +12,8 @@ import torch
 from benchmarks import ROOT
 from benchmarks.machine import resolve_threads
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results"  # the recorded figures (README, docs): written only with --record
+SCRATCH = ROOT / "runs" / "bench"  # where a run writes by default, leaving the recorded figures as they are
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -28,10 +29,23 @@ def base_parser(name: str, doc: str, size_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--threads", default="auto",
                     help="torch.set_num_threads: a number, or auto (default: 1 or all usable cores, whichever "
                          "runs a short calibration faster; see choose_threads)")
-    ap.add_argument("--out", default=str(RESULTS), help="results folder")
+    add_out_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default=None, help="suffix of the results files (<name>_<tag>.json) for extra runs")
     return ap
+
+
+def add_out_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=None, help="results folder (default runs/bench/)")
+    ap.add_argument("--record", action="store_true",
+                    help="write the recorded figures, benchmarks/results/ (what README and docs quote)")
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, else ``benchmarks/results`` with ``--record``, else ``runs/bench``."""
+    if args.out is not None and args.record:
+        raise SystemExit("error: give --out DIR or --record, not both")
+    return Path(args.out) if args.out is not None else (RESULTS if args.record else SCRATCH)
 
 
 @dataclass
@@ -98,7 +112,7 @@ def setup(name: str, args: argparse.Namespace, presets: dict, reps: dict) -> Set
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (reported)
         torch.backends.cudnn.allow_tf32 = True
     full_name = f"{name}_{args.tag}" if getattr(args, "tag", None) else name
-    return Settings(full_name, device, dtype, preset, sizes, n_reps, warmup, threads, Path(args.out), args.seed,
+    return Settings(full_name, device, dtype, preset, sizes, n_reps, warmup, threads, out_dir(args), args.seed,
                     bool(args.smoke), args)
 
 

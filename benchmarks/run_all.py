@@ -3,7 +3,10 @@
 One process for all (importing torch + transformers is slow); a failing benchmark is reported and
 the others still run (exit status 1).
 
-    python -m benchmarks.run_all [--smoke] [--device cuda] [--out DIR] [--only prefill,moe] [-- EXTRA ARGS]
+    python -m benchmarks.run_all [--smoke] [--device cuda] [--out DIR | --record] [--only prefill,moe] [-- EXTRA ARGS]
+
+The results go to runs/bench/ unless ``--record`` (``make bench RECORD=1``) asks for benchmarks/results/,
+the recorded figures that README.md and docs/ quote.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cli import RESULTS
+from benchmarks.cli import add_out_args, out_dir
 from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
@@ -36,11 +39,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--threads", default="auto")
-    ap.add_argument("--out", default=str(RESULTS))
+    add_out_args(ap)
     ap.add_argument("--only", default=",".join(BENCHMARKS), help="comma list of benchmarks to run")
     ap.add_argument("--summary-only", action="store_true",
                     help="run nothing; write SUMMARY.md from the <name>.md files already in --out (gpu.sh)")
     args = ap.parse_args(argv)
+    args.out = str(out_dir(args))
     if args.summary_only:
         out = Path(args.out)
         status, info = {}, None

@@ -2,7 +2,7 @@
 
     make train-vlm && make eval EVAL_ARGS="--name train-vlm"
     python scripts/readme_figures.py --publish runs/train-vlm --eval runs/eval/train-vlm [--commit SHA]
-    python scripts/readme_figures.py --bench      # after make bench: the benchmark table from benchmarks/results/
+    python scripts/readme_figures.py --bench      # after make bench RECORD=1: the tables from benchmarks/results/
     python scripts/readme_figures.py --check      # exit 1 when a page differs from those files
 
 ``--publish`` copies the run's ``summary.json`` (written by ``make train-vlm``) and the eval's
@@ -10,9 +10,9 @@
 (the run's commit, whether this tree's code / configs differ from it, date, CPU count, the model's target
 R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figures -->`` of README.md and
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
-(``prefill.json``, ``decode.json``: written by ``make bench``; ``vs_transformers.json`` and
-``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers``; ``overhead.json``: written by
-``python -m benchmarks.overhead``; ``inference.json``: written by ``python -m benchmarks.inference``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
+(``prefill.json``, ``decode.json``: written by ``make bench RECORD=1``; ``vs_transformers.json`` and
+``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers --record``; ``overhead.json``: written by
+``python -m benchmarks.overhead --record``; ``inference.json``: written by ``python -m benchmarks.inference --record``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -36,6 +36,14 @@ RUN_INPUTS = ("vlm", "data_pipelines", "vision_encoders", "configs", "Makefile",
 SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.DOTALL)
 
 
+NO_CPU = "CPU not recorded"  # a result file written before the writers recorded the CPU model
+
+
+def _cpu(machine: dict | None) -> str:
+    """The CPU model a result file records (its ``machine.cpu`` / ``cpu``), else NO_CPU."""
+    return (machine or {}).get("cpu") or NO_CPU
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
@@ -46,7 +54,9 @@ def render_train(summary: dict, run: dict) -> str:
     ev = summary["eval"]
     parts = ", ".join(f"{kind.replace('_', '-')} {acc:.0%}" for kind, acc in ev["by_kind"].items())
     dirty = ", uncommitted changes" if run["dirty"] else ""
-    return (f"Last run (commit {run['commit'][:7]}{dirty}, {run['cpu_count']} CPU cores; "
+    where = summary.get("machine") or {}
+    return (f"Last run (commit {run['commit'][:7]}{dirty}, {_cpu(where)}, {where.get('cpu_count') or run['cpu_count']} "
+            "cores; "
             f"`docs/results/train-vlm/summary.json`): **{ev['accuracy']:.1%} held-out accuracy** "
             f"({ev['correct']}/{ev['total']}; {parts}; chance is 10% for the digit question), achieved eval ratio "
             f"{ev['ratio']:.2f} pooled (image {ev['ratio_image']:.2f}, text {ev['ratio_text']:.2f}; target "
@@ -84,7 +94,7 @@ def render_bench(prefill: dict, decode: dict) -> str:
              "| --- |" + " ---: |" * len(sizes)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
     pm, dm = prefill["machine"], decode["machine"]
-    source = (f"{pm['cpu']}, {pm['usable_cores']} cores, {prefill['settings']['dtype']}, torch threads "
+    source = (f"{_cpu(pm)}, {pm['usable_cores']} cores, {prefill['settings']['dtype']}, torch threads "
               f"{prefill['settings']['threads']}; prefill {prefill['settings']['reps']} and decode "
               f"{decode['settings']['reps']} interleaved rounds; commit {pm['git']} / {dm['git']}, load average "
               f"{pm['load_average_1_5_15'][0]:.2f} / {dm['load_average_1_5_15'][0]:.2f} "
@@ -140,14 +150,14 @@ def render_vs_transformers(runs: list[dict]) -> str:
     tag = {2048: "", 8192: "_8K"}
     files = ", ".join(f"`benchmarks/results/vs_transformers{tag.get(r['settings']['sizes'][0], '')}.json`"
                       for r in runs)
-    return ("\n" + "\n".join(lines) + f"\n\n{runs[0]['machine']['cpu']}, {runs[0]['settings']['dtype']}, torch threads "
+    return ("\n" + "\n".join(lines) + f"\n\n{_cpu(runs[0]['machine'])}, {runs[0]['settings']['dtype']}, torch threads "
             f"{runs[0]['settings']['threads']}; " + "; ".join(sources) + f" ({files}).\n")
 
 
 def render_tests(unit: dict) -> str:
     """README's unit-tier time, with the machine's load (docs/results/tests/unit.json, scripts/test_timing.py)."""
     minutes, seconds = divmod(round(unit["wall_s"]), 60)
-    return (f"{unit.get('passed', 0):,} passed in {minutes} min {seconds:02d} s on {unit['cpu_count']} cores, load "
+    return (f"{unit.get('passed', 0):,} passed in {minutes} min {seconds:02d} s on {_cpu(unit)}, {unit['cpu_count']} cores, load "
             f"average {unit['load_before']:.1f} at the start (commit {unit['commit']}, "
             "`docs/results/tests/unit.json`)")
 
@@ -181,7 +191,7 @@ def render_overhead(run: dict) -> str:
         lines.append(f"| {what} | {fmt(cells['conceptmoe'])} | {fmt(cells['moe'])} | {verdict} |")
     m, st = run["machine"], run["settings"]
     return ("\n" + "\n".join(lines) + f"\n\n{run['tokens']} tokens in {run['docs']} packed documents, "
-            f"{run['layers']} layers at width {run['width']['hidden_size']}; {m['cpu']}, {st['dtype']}, torch threads "
+            f"{run['layers']} layers at width {run['width']['hidden_size']}; {_cpu(m)}, {st['dtype']}, torch threads "
             f"{st['threads']}; commit {m['git']}, load average {m['load_average_1_5_15'][0]:.2f} "
             "(`benchmarks/results/overhead.json`).\n")
 
@@ -230,7 +240,7 @@ def render_inference(run: dict) -> str:
             + f"Times (ratio to {refs(pre)} for the prefill, to {refs(dec)} for decode; '= eager': transformers' "
             "generate runs its prefill eager); Qwen3-MoE with "
             f"{sh['num_hidden_layers']} layers, hidden {sh['hidden_size']}, {sh['num_experts']} experts top-"
-            f"{sh['num_experts_per_tok']}; {m.get('gpu') or m['cpu']}, {st['dtype']}, torch threads {st['threads']}, "
+            f"{sh['num_experts_per_tok']}; {m.get('gpu') or _cpu(m)}, {st['dtype']}, torch threads {st['threads']}, "
             f"{st['reps']} interleaved rounds; commit {m['git']}, load average {m['load_average_1_5_15'][0]:.2f} "
             "(`benchmarks/results/inference.json`).\n")
 
@@ -330,7 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", type=Path, help="a make eval run folder (results.json)")
     ap.add_argument("--commit", default="HEAD", help="the commit the run was made at (default: HEAD)")
     ap.add_argument("--bench", action="store_true", help="rewrite the spans from the committed files only "
-                                                         "(after make bench wrote benchmarks/results/)")
+                                                         "(after make bench RECORD=1 wrote benchmarks/results/)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a page differs from the files (the default)")
     args = ap.parse_args(argv)
     if bool(args.publish) != bool(args.eval) or (args.check and (args.publish or args.bench)):

@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script file
+    sys.path.insert(0, str(ROOT))
+from vlm.training.peak import cpu_model
+
 OUT = ROOT / "docs" / "results" / "tests"
 TIERS = {"unit": (["tests/unit", "-m", "not integration"], {"OMP_NUM_THREADS": "1"}),
          "integration": (["-m", "integration"], {})}
@@ -43,7 +47,8 @@ def main(argv=None) -> int:
                           env={**os.environ, **env}, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     rec = {"tier": tier, "wall_s": round(wall, 1), **counts(proc.stdout), "returncode": proc.returncode,
-           "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
+           "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2), "cpu": cpu_model(),
+           "cpu_count": os.cpu_count(),
            "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%d %H:%M")}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{tier}.json").write_text(json.dumps(rec, indent=1) + "\n")

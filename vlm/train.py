@@ -14,6 +14,7 @@ if __name__ == "__main__" and not __package__:  # `deepspeed vlm/train.py`: make
 import argparse
 
 FAULT_ENV = "VLM_TRAIN_FAULT"  # read by vlm/reliability/train.py only
+RERUN_ENV = "VLM_RERUN"  # set by `make train-vlm`: the make command that reran this run (+ RESUME=auto resumes)
 
 USAGE = """\
 The same command runs under every launcher (DeepSpeed is the engine in every mode):
@@ -31,7 +32,8 @@ run (runs/<name>/ckpt) or starts fresh if there is none; --resume PATH takes a c
 Exit codes: 0 done, 2 config or data error (too many bad records: data.max_bad_fraction), 3 aborted
 on non-finite steps, 4 a collective failed (another rank died or stalled longer than dist_timeout_s),
 5 a checkpoint could not be written (e.g. disk full; the previous one is intact), 130 interrupted
-(Ctrl-C): one line per rank names the newest checkpoint; rerun with --resume auto.
+(Ctrl-C): one line per rank names the newest checkpoint and the command that resumes from it
+(`make train-vlm RESUME=auto` under make; this command with --resume auto).
 """
 
 
@@ -62,7 +64,8 @@ def _quiet_imports() -> None:
 
 def preflight(args: argparse.Namespace):
     """What is checked before the Trainer (DeepSpeed, the model, the process group), cheapest first:
-    the config and its overrides, the data files (present, not all empty) and the ``--resume`` path
+    the config and its overrides, the model's folders and what needs CUDA (device: cuda, a fused kernel
+    named), the data files (present, not all empty) and the ``--resume`` path
     without torch or transformers loaded; then the model config of a preset (with its tokenizer; a
     pretrained folder's is read by the trainer), which needs transformers. Returns the config;
     raises ``ConfigError`` / ``FileNotFoundError`` (one line each)."""
@@ -70,6 +73,7 @@ def preflight(args: argparse.Namespace):
     from vlm.modeling.config_base import ConfigError
     from vlm.training.checkpoint_paths import resolve_resume
     from vlm.training.data import check_data_paths
+    from vlm.training.machine_checks import check_machine
 
     cfg = load_train_config(args.config, args.overrides)
     if args.no_eval:
@@ -77,6 +81,7 @@ def preflight(args: argparse.Namespace):
     if os.environ.get(FAULT_ENV):
         raise ConfigError(f"config error: {FAULT_ENV} is set: faults are injected by python -m "
                           "vlm.reliability.train (vlm/reliability/faults.py), never by python -m vlm.train")
+    check_machine(cfg)
     check_data_paths(cfg)
     resolve_resume(args.resume, cfg.ckpt_dir)
     if cfg.model.preset is not None and not cfg.model.llm:
@@ -87,6 +92,20 @@ def preflight(args: argparse.Namespace):
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: `make train-vlm ... RESUME=auto` when make started it, else
+    this process's own command line with ``--resume auto``."""
+    import shlex
+
+    if os.environ.get(RERUN_ENV):
+        return f"{os.environ[RERUN_ENV]} RESUME=auto"
+    python = sys.executable
+    if python.startswith(os.getcwd() + os.sep):
+        python = os.path.relpath(python)
+    return shlex.join([python, "-m", "vlm.train", "--config", args.config, *(["--no-eval"] if args.no_eval else []),
+                       *args.overrides, "--resume", "auto"])
 
 
 def say(line: str) -> None:
@@ -105,6 +124,7 @@ class Interrupts:
     def __init__(self):
         self.received: list[int] = []
         self.exiting = False
+        self.resume_command = "the same command with --resume auto"  # main sets the exact one
         self._previous = None
 
     def __enter__(self) -> Interrupts:
@@ -137,8 +157,12 @@ class Interrupts:
         world = trainer.world_size if trainer is not None else int(os.environ.get("WORLD_SIZE", 1))
         where = f"at step {trainer.step}" if trainer is not None else "before the first step"
         newest = find_checkpoint(cfg.ckpt_dir)
-        hint = (f"newest checkpoint {newest}: rerun with --resume auto" if newest is not None
-                else f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again")
+        if newest is None:
+            hint = f"no checkpoint in {cfg.ckpt_dir} yet: rerun the same command to start again"
+        elif world > 1:  # under a launcher: its own command line is not known here
+            hint = f"newest checkpoint {newest}: rerun with --resume auto"
+        else:
+            hint = f"newest checkpoint {newest}; continue with: {self.resume_command}"
         say(f"{f'rank {rank}: ' if world > 1 else ''}interrupted {where}; {hint}")
         return INTERRUPTED
 
@@ -157,6 +181,7 @@ def main(argv=None, extra_callbacks=()) -> int:
         say(f"error: {err}")
         return 2
     with Interrupts() as interrupts:
+        interrupts.resume_command = resume_command(args)
         return _run(args, cfg, extra_callbacks, interrupts)
 
 

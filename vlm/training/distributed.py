@@ -75,7 +75,7 @@ def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    local_world = local_world_size(os.environ)
     if device == "cpu":
         apply_cpu_threads(cpu_threads, local_world)
     import deepspeed
@@ -90,7 +90,30 @@ def init_distributed(device: str, timeout_s: int = 1800, cpu_threads: int | None
         deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
                                    timeout=timedelta(seconds=timeout_s), verbose=False)
     return {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size(),
-            "local_rank": local_rank, "device": device}
+            "local_rank": local_rank, "device": device, "warning": oversubscribed(device, local_world, cpu_cores())}
+
+
+def local_world_size(env) -> int:
+    """The ranks on this machine: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, else
+    WORLD_SIZE (one machine)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if env.get(key):
+            return int(env[key])
+    return 1
+
+
+def cpu_cores() -> int:
+    return os.cpu_count() or 1
+
+
+def oversubscribed(device: str, local_world: int, cores: int) -> str | None:
+    """One warning line when a CPU run starts more ranks on this machine than it has cores (e.g.
+    ``deepspeed --num_gpus 8`` where there is no GPU: the launcher starts 8 CPU ranks); None otherwise."""
+    if device != "cpu" or local_world <= cores:
+        return None
+    return (f"[train] warning: {local_world} CPU ranks on this machine, which has {cores} cores: they share "
+            "them (slower than fewer ranks); --num_gpus / --nproc_per_node start that many ranks also where "
+            "there is no GPU")
 
 
 COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out",

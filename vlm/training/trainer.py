@@ -75,6 +75,8 @@ class Trainer:
         info = init_distributed(self.device, timeout_s=cfg.dist_timeout_s, cpu_threads=cfg.cpu_threads)
         self.rank, self.world_size, self.local_rank = info["rank"], info["world_size"], info["local_rank"]
         self.is_main = self.rank == 0
+        if info["warning"]:  # more CPU ranks than cores (rank 0 says it)
+            self.log_line(info["warning"])
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device == "cuda")
         if self.bf16 and self.device == "cpu":
             self.log_line("[train] precision bf16 asked for on CPU: using it (slow); precision: auto gives fp32")
@@ -172,9 +174,10 @@ class Trainer:
 
     def _set_aside_previous_run(self) -> None:
         """A fresh start in a run folder that already holds checkpoints / metrics / an export (e.g.
-        `make train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl / hf.previous (one
-        generation is kept) so that ``--resume auto`` can never pick up a stale checkpoint of the
-        earlier run, and its export is neither overwritten nor taken for this run's."""
+        `make train-vlm` twice): move them to ckpt.previous / metrics.previous.jsonl (one generation is
+        kept) so that ``--resume auto`` can never pick up a stale checkpoint of the earlier run. The
+        earlier export stays loadable at <run>/hf until this run's replaces it (``export_hf``: it is then
+        hf.previous); a run that exports nothing moves it to hf.previous now, not to be taken for its own."""
         import shutil
 
         ck = Path(self.cfg.ckpt_dir)
@@ -185,7 +188,7 @@ class Trainer:
             self.log_line(f"[train] fresh start: moved the earlier checkpoints to {prev} "
                           "(use --resume auto to continue)")
         hf = self.run_dir / "hf"
-        if hf.is_dir():
+        if hf.is_dir() and not self.cfg.checkpoint.export_hf:  # else kept until this run's export replaces it
             prev = hf.with_name("hf.previous")
             shutil.rmtree(prev, ignore_errors=True)
             os.rename(hf, prev)

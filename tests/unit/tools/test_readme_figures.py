@@ -156,3 +156,54 @@ def test_inference_figures_move_with_their_file():
     for met, word in ((True, "| met |"), (False, "| missed |"), (None, "| not measured on this device |")):
         run["targets"] = [dict(run["targets"][0], met=met)]
         assert word in figures.render_inference(run)
+
+
+def test_each_figure_names_the_cpu_its_file_records():
+    """Issue 39: README's figures came from another CPU than a new user's, and did not say which. Every
+    rendered sentence names the CPU model its result file records; a file from before the writers recorded
+    it says 'CPU not recorded'."""
+    summary, run = _load("summary.json"), _load("run.json")
+    cpu = "Intel(R) Xeon(R) Platinum 8480+"
+    with_cpu = figures.render_train({**summary, "machine": {"cpu": cpu, "cpu_count": 16}}, run)
+    assert f", {cpu}, 16 cores;" in with_cpu
+    old = {k: v for k, v in summary.items() if k != "machine"}
+    assert ", CPU not recorded, " in figures.render_train(old, run)
+    unit = json.loads((figures.TESTS / "unit.json").read_text())
+    assert f"on {cpu}, " in figures.render_tests({**unit, "cpu": cpu})
+    assert "on CPU not recorded, " in figures.render_tests({k: v for k, v in unit.items() if k != "cpu"})
+    prefill, decode = (json.loads((figures.BENCH / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+    prefill["machine"]["cpu"] = cpu
+    assert f"\n\n{cpu}, " in figures.render_bench(prefill, decode)
+    del prefill["machine"]["cpu"]
+    assert "\n\nCPU not recorded, " in figures.render_bench(prefill, decode)
+    overhead = json.loads((figures.BENCH / "overhead.json").read_text())
+    del overhead["machine"]["cpu"]
+    assert "; CPU not recorded, " in figures.render_overhead(overhead)
+
+
+def test_the_writers_record_the_cpu_model(tmp_path, monkeypatch):
+    """What the renderer reads is written: summary.json's machine (vlm/training/callbacks/end_of_run.py) and
+    scripts/test_timing.py's record carry the CPU model name; the benchmarks' machine_info has it too."""
+    import subprocess
+    import types
+
+    from benchmarks.machine import machine_info
+    from vlm.training.callbacks.end_of_run import machine
+    from vlm.training.peak import cpu_model
+
+    assert machine() == {"cpu": cpu_model(), "cpu_count": __import__("os").cpu_count()} and cpu_model()
+    spec = importlib.util.spec_from_file_location("test_timing", REPO_ROOT / "scripts" / "test_timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+
+    def fake_run(cmd, **kwargs):
+        return types.SimpleNamespace(stdout="3 passed in 1.0s\n" if "pytest" in cmd else "abc1234\n", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(timing, "OUT", tmp_path)
+    assert timing.main(["unit"]) == 0
+    rec = json.loads((tmp_path / "unit.json").read_text())
+    assert rec["cpu"] == cpu_model() and rec["passed"] == 3
+    import torch
+
+    assert machine_info(torch.device("cpu"))["cpu"]

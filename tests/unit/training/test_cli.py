@@ -107,6 +107,77 @@ def test_bad_input_is_one_line_before_deepspeed_and_the_model(case, tmp_path, mo
     assert capsys.readouterr().err.splitlines() == [line]
 
 
+def _machine_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments, the one line expected): choices the machine or the file system refuses."""
+    default = "configs/train/default.yaml"
+    return {
+        "liger on the CPU": ([ "--config", default, "device=cpu", "train.fused_kernels.cross_entropy=liger"],
+                             "error: config error: train.fused_kernels.cross_entropy=liger: the fused kernels run on "
+                             "CUDA, the device is cpu (auto or torch runs here)"),
+        "triton on the CPU": (["--config", default, "device=cpu", "train.fused_kernels.swiglu=triton"],
+                              "error: config error: train.fused_kernels.swiglu=triton: the fused kernels run on "
+                              "CUDA, the device is cpu (auto or torch runs here)"),
+        "tokenizer missing": (["--config", default, f"model.tokenizer={tmp / 'tok'}"],
+                              f"error: config error: model.tokenizer: folder not found: {tmp / 'tok'} (run `make data`?)"),
+        "init_from missing": (["--config", default, f"model.init_from={tmp / 'hf'}"],
+                              f"error: config error: model.init_from: folder not found: {tmp / 'hf'} "
+                              "(run the previous stage first?)"),
+        "experts over more ranks than launched": (["--config", default, "parallel.expert_parallel_size=2"],
+                                                  "error: config error: parallel.expert_parallel_size: 2: it must "
+                                                  "divide the world size 1"),
+    }
+
+
+@pytest.mark.parametrize("case", ["liger on the CPU", "triton on the CPU", "tokenizer missing", "init_from missing",
+                                  "experts over more ranks than launched"])
+def test_machine_choices_are_refused_before_the_model_is_built(case, tmp_path, monkeypatch, capsys):
+    """Issue 39: `train.fused_kernels.*=liger` on a CPU was refused after 25-31 s (the trainer's modules and
+    the model config first), a missing model.tokenizer after 9 s. Now one line, exit 2, before the model
+    builder (vlm.training.build), the trainer or DeepSpeed are imported: reaching them is an ImportError here."""
+    from vlm.train import main
+
+    argv, line = _machine_cases(tmp_path)[case]
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # no launcher
+    for name in ("deepspeed", "vlm.training.build", "vlm.training.trainer", "vlm.training.callbacks.defaults"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` -> ImportError
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_device_auto_asks_for_cuda_only_when_a_fused_kernel_is_named():
+    """``device: auto``: nothing named, CUDA is not asked about (no torch); a fused kernel named on a machine
+    without CUDA is the one line; the kernel names and packages are fused_kernels' own."""
+    from vlm.modeling import fused_kernels
+    from vlm.modeling.config_base import ConfigError
+    from vlm.training import machine_checks
+
+    asked = []
+
+    def no_cuda():
+        asked.append(1)
+        return False
+
+    machine_checks.check_device_choices(load_train_config("configs/train/default.yaml"), no_cuda)
+    assert asked == []
+    cfg = load_train_config("configs/train/default.yaml", ["train.fused_kernels.rms_norm=liger"])
+    with pytest.raises(ConfigError, match=r"^config error: train.fused_kernels.rms_norm=liger: the fused kernels run "
+                                          r"on CUDA, the device is cpu"):
+        machine_checks.check_device_choices(cfg, no_cuda)
+    assert asked == [1]
+    with pytest.raises(ConfigError, match="^config error: device: cuda was asked for but this machine has no CUDA"):
+        machine_checks.check_device_choices(load_train_config("configs/train/default.yaml", ["device=cuda"]), no_cuda)
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:  # a GPU and the package: accepted
+        machine_checks.check_device_choices(cfg, lambda: True)
+    else:
+        with pytest.raises(ConfigError, match="liger-kernel .* is not installed"):
+            machine_checks.check_device_choices(cfg, lambda: True)
+    assert (machine_checks.FUSED, machine_checks.PACKAGE, machine_checks.DIST) == \
+        (fused_kernels.FUSED, fused_kernels.PACKAGE, fused_kernels.DIST)
+
+
 def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monkeypatch, capsys):
     """A real SIGINT to this process at step 3 (checkpoints every 2 steps): exit 130 and one line on
     stderr, the step, the newest checkpoint and `--resume auto`, no traceback (issue 33); the
@@ -115,7 +186,7 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     import signal
 
     from vlm.reliability.runs import TINY_LM, config, write_config
-    from vlm.train import INTERRUPTED, main
+    from vlm.train import INTERRUPTED, RERUN_ENV, main, resume_command
     from vlm.training.callbacks.base import Callback
 
     class CtrlC(Callback):
@@ -126,11 +197,13 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_and_resume_auto(tmp_path, monk
     cfg = write_config(tmp_path, config(tmp_path, TINY_LM, name="ctrl-c", train={"max_steps": 6},
                                         checkpoint={"every_steps": 2}))
     monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv(RERUN_ENV, raising=False)
     before = signal.getsignal(signal.SIGINT)
     assert main(["--config", str(cfg)], extra_callbacks=[CtrlC()]) == INTERRUPTED
     ckpt = tmp_path / "ctrl-c" / "ckpt" / "step_000002"
-    assert capsys.readouterr().err.splitlines() == [
-        f"interrupted at step 3; newest checkpoint {ckpt}: rerun with --resume auto"]
+    assert capsys.readouterr().err.splitlines() == [  # issue 39: the exact command to type, not only its flag
+        f"interrupted at step 3; newest checkpoint {ckpt}; continue with: {resume_command(parse_args(['--config', str(cfg)]))}"]
+    assert resume_command(parse_args(["--config", str(cfg)])).endswith(f"-m vlm.train --config {cfg} --resume auto")
     assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -162,12 +235,14 @@ def _light_cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "every dataset empty": (["--config", default, f"data.datasets=[{{type: text, path: {tmp / 'empty.txt'}}}]"],
                                 2, "error: config error: data: no records to draw from: every dataset with a weight "
                                 f"above 0 is an empty file (data.datasets[0].path {tmp / 'empty.txt'})"),
+        **{name: (argv, 2, line) for name, (argv, line) in _machine_cases(tmp).items()},
     }
 
 
 @pytest.mark.integration  # a fresh interpreter: what `python -m vlm.train` imports is only seen there
 @pytest.mark.parametrize("case", ["help", "bad override", "unknown key", "config file missing",
-                                  "resume path missing", "data file missing", "every dataset empty"])
+                                  "resume path missing", "data file missing", "every dataset empty",
+                                  "liger on the CPU", "tokenizer missing"])
 def test_bad_input_and_help_come_before_torch(case, tmp_path):
     """``python -m vlm.train`` with bad input or ``--help``: the one line and its exit code, and neither
     torch, transformers nor DeepSpeed imported on the way (``-X importtime`` lists every import, also
@@ -193,7 +268,7 @@ def test_bad_input_and_help_come_before_torch(case, tmp_path):
 
 # what preflight imports before the model config (the modules; their functions' own imports are not followed)
 PREFLIGHT_MODULES = ("vlm.train", "vlm.config.train", "vlm.modeling.config_base", "vlm.modeling.safe_loading",
-                     "vlm.training.checkpoint_paths", "vlm.training.data")
+                     "vlm.training.checkpoint_paths", "vlm.training.data", "vlm.training.machine_checks")
 
 
 def module_level_imports(names, root: Path = REPO_ROOT) -> tuple[set[str], set[str]]:

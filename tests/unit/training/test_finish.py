@@ -1,13 +1,14 @@
 """After training (vlm/training/callbacks/end_of_run.py) and a fresh run in the same folder: the export's vision
-load line names the trained weights it really holds (with their checksum), and a fresh run sets the
-earlier run's export aside (hf.previous) with one line instead of replacing it."""
+load line names the trained weights it really holds (with their checksum); a fresh run that exports sets the
+earlier run's export aside (hf.previous) only once its own is complete, one that does not at its start."""
 from __future__ import annotations
 
 import json
-
 import logging
+from pathlib import Path
 
 import _train_helpers as helpers
+import pytest
 
 from vlm.modeling.vision_hub import weights_digest
 
@@ -83,4 +84,45 @@ def test_a_resumed_run_says_so_before_the_init_lines(tmp_path, capsys):
     assert 0 <= own <= wall and own <= rows["train time, steps 1-3 (incl. before the resume)"], rows
     summary = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert summary["resumed_at_step"] == 2
+    from vlm.training.peak import cpu_model
+
+    assert summary["machine"]["cpu"] == cpu_model()  # README's figure names it (scripts/readme_figures.py)
     assert 0 < summary["train_time_this_process_s"] < summary["train_time_s"], summary
+
+
+def test_a_rerun_keeps_the_earlier_export_until_its_own_is_complete(tmp_path, capsys, monkeypatch):
+    """Issue 39: rerunning `make train-vlm` moved runs/train-vlm/hf aside at its start, so an interrupted
+    rerun left `make eval CKPT=runs/train-vlm/hf` with nothing. The earlier export stays loadable while
+    the rerun trains and while its export is written (a failure halfway leaves it as it was); the new one
+    replaces it only once complete, and the earlier one is then hf.previous."""
+    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+
+    raw = helpers.config(tmp_path, base=helpers.TINY_VLM, name="run", train={"max_steps": 1},
+                         checkpoint={"every_steps": 0, "export_hf": True})
+    helpers.run_inprocess(raw, tmp_path, finish=True)
+    hf, prev = tmp_path / "run" / "hf", tmp_path / "run" / "hf.previous"
+    first = (hf / "model.safetensors").read_bytes()
+
+    rerun = helpers.run_inprocess({**raw, "seed": 1}, tmp_path)  # trained, not finished: the interrupted rerun
+    assert (hf / "model.safetensors").read_bytes() == first and not prev.exists()
+    ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf))
+
+    def fail_halfway(self, path, *args, **kwargs):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text("{")  # a partial folder: then the disk fills
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ConceptMoEVLMForConditionalGeneration, "save_pretrained", fail_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        rerun.finish()
+    assert (hf / "model.safetensors").read_bytes() == first and not prev.exists()
+    ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf))
+    monkeypatch.undo()
+
+    capsys.readouterr()
+    rerun.finish()
+    assert (prev / "model.safetensors").read_bytes() == first
+    assert (hf / "model.safetensors").read_bytes() != first  # seed 1's weights
+    ConceptMoEVLMForConditionalGeneration.from_pretrained(str(hf))
+    assert f"[train] exported Hugging Face model to {hf} (the earlier export is now {prev})" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("hf")) == ["hf", "hf.previous"]

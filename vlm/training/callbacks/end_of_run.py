@@ -18,19 +18,41 @@ VALUE_WIDTH = 48  # the summary table's value column wraps beyond this
 
 def export_hf(ctx: RunContext) -> Path:
     """Collective: gather full weights (ZeRO-3 / expert parallel) and write <run>/hf on rank 0 (LoRA
-    adapters merged)."""
+    adapters merged). Written to <run>/hf.partial first and swapped in once complete, so an earlier
+    export stays loadable at <run>/hf until then (an interrupted or failed export leaves it as it was)."""
+    import shutil
+
     out_dir = ctx.run_dir / "hf"
     state = gather_state(ctx)
     if ctx.is_main:
+        partial = out_dir.with_name("hf.partial")
+        shutil.rmtree(partial, ignore_errors=True)  # a partial folder of an earlier interrupted export
         fresh = unsharded_model(ctx, state)
-        fresh.save_pretrained(str(out_dir))
+        fresh.save_pretrained(str(partial))
         if ctx.processor is not None:
-            ctx.processor.save_pretrained(str(out_dir))
+            ctx.processor.save_pretrained(str(partial))
         elif ctx.tokenizer is not None:
-            ctx.tokenizer.save_pretrained(str(out_dir))
-        ctx.log_line(f"[train] exported Hugging Face model to {out_dir}")
+            ctx.tokenizer.save_pretrained(str(partial))
+        earlier = swap_in(partial, out_dir)
+        ctx.log_line(f"[train] exported Hugging Face model to {out_dir}"
+                     + (f" (the earlier export is now {earlier})" if earlier else ""))
     barrier()
     return out_dir
+
+
+def swap_in(new: Path, dst: Path) -> Path | None:
+    """Put the complete folder ``new`` at ``dst``; an existing ``dst`` becomes ``dst.previous`` (one
+    generation kept), returned. Two renames: between them ``dst.previous`` and ``dst``'s new folder
+    are both complete; ``dst`` is never a half-written folder."""
+    import shutil
+
+    earlier = None
+    if dst.exists():
+        earlier = dst.with_name(dst.name + ".previous")
+        shutil.rmtree(earlier, ignore_errors=True)
+        dst.rename(earlier)
+    new.rename(dst)
+    return earlier
 
 
 def _eval_model(ctx: RunContext, hf_dir: Path | None):
@@ -138,6 +160,15 @@ def time_rows(progress: Progress, wall_s: float, resumed_at: tuple[int, float] |
             ("wall time, this process (startup, train, export, eval)", f"{wall_s:.1f} s")]
 
 
+def machine() -> dict:
+    """Where the run ran, for the figures quoted from summary.json (scripts/readme_figures.py)."""
+    import os
+
+    from vlm.training.peak import cpu_model
+
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count()}
+
+
 def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
            resumed_at: tuple[int, float] | None = None) -> dict:
     """Collective: export (if asked), eval (if configured), summary table and <run>/summary.json.
@@ -155,7 +186,7 @@ def finish(ctx: RunContext, progress: Progress, peak_label: str, t_start: float,
                        "resumed_at_step": resumed_at[0] if resumed_at else None,
                        "train_time_this_process_s": progress.train_time_s - (resumed_at[1] if resumed_at else 0.0),
                        "tokens_seen": progress.tokens_seen, "last_metrics": progress.last_metrics(),
-                       "mfu_peak": peak_label},
+                       "mfu_peak": peak_label, "machine": machine()},
                       f, indent=1, default=lambda o: str(o) if isinstance(o, float) and not math.isfinite(o) else o)
     return {"eval": result, "summary": table}
 
