@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
-from . import verdicts
+from .verdicts import proven
 from .config_base import ConfigError
 from .expert_mlp import GroupedSwiGLU
 from .rms_norm import rms_norm as rms_norm_torch
@@ -34,7 +34,7 @@ UNMEASURED = ("not yet measured correct and faster on a GPU (vlm/modeling/gpu_ve
 def auto_on_cuda(table: dict | None = None) -> dict[str, str]:
     """What ``auto`` picks on CUDA where a kernel can run: its fused name where the GPU verdicts
     (``table``; None = gpu_verdicts.json) say correct and faster, else torch."""
-    return {k: name if verdicts.proven(f"fused_{k}_{name}", table) else "torch" for k, name in FUSED.items()}
+    return {k: name if proven(f"fused_{k}_{name}", table) else "torch" for k, name in FUSED.items()}
 PACKAGE = {"liger": "liger_kernel", "triton": "triton"}
 DIST = {"liger": "liger-kernel (pip install -e '.[gpu]')", "triton": "triton"}
 

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import verdicts
+from .verdicts import proven
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _say_once(msg: str) -> None:
 
 def scan(a_BM: torch.Tensor, x_BMD: torch.Tensor, reverse: bool, impl: str, block: int = BLOCK) -> torch.Tensor:
     if impl == "auto":
-        impl = "triton" if triton_usable(x_BMD) and verdicts.proven("ema_scan_triton") else "torch"
+        impl = "triton" if triton_usable(x_BMD) and proven("ema_scan_triton") else "torch"
         if x_BMD.is_cuda and impl == "torch":
             _say_once("dechunk EMA: the torch chunked scan runs on CUDA (auto: the Triton scan is not importable or "
                       "not yet measured correct and faster by the GPU check, vlm/modeling/gpu_verdicts.json)")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from .config_base import NonNegInt, Section, build, check, error_from
-from . import verdicts
+from .verdicts import proven
 
 CAPACITIES = ("auto", "tokens", "exact")
 VARLEN_KERNELS = ("auto", "loop", "bucketed")
@@ -70,14 +70,14 @@ def use_tokens_capacity(opts: RuntimeOptions, host_layout: bool, device_type: st
     """Whether the concept sequence runs at the capacity T (see ``RuntimeOptions.capacity``)."""
     if opts.capacity != "auto":
         return opts.capacity == "tokens"
-    return host_layout and device_type == "cuda" and verdicts.proven("capacity_tokens", table)
+    return host_layout and device_type == "cuda" and proven("capacity_tokens", table)
 
 
 def scan_impl(opts: RuntimeOptions, device_type: str, table: dict | None = None) -> str:
     """The EMA scan to run on ``device_type``: torch | triton (``auto`` resolved, see ``RuntimeOptions``)."""
     if opts.ema_scan != "auto":
         return opts.ema_scan
-    return "triton" if device_type == "cuda" and verdicts.proven("ema_scan_triton", table) else "torch"
+    return "triton" if device_type == "cuda" and proven("ema_scan_triton", table) else "torch"
 
 
 def resolved(opts: RuntimeOptions, device_type: str, table: dict | None = None) -> str:

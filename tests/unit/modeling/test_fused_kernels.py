@@ -113,6 +113,9 @@ def test_prepare_model_says_the_choice_or_stops_on_a_fused_name_on_cpu():
     assert [x for x in lines if "fused kernels" in x] == [
         "[train] fused kernels: torch paths for cross_entropy, rms_norm, swiglu "
         "(auto: the fused kernels run on CUDA, the device is cpu)"]
+    assert [x for x in lines if "runtime" in x] == [  # the model's runtime choices, once
+        "[train] runtime (model.runtime.*): capacity=auto (exact for host-laid-out batches), varlen_kernel=auto, "
+        "attention=varlen, ema_scan=auto (torch), decode_compile_backend=inductor, concept_headroom=16"]
     cfg = load_train_config("configs/train/default.yaml", overrides=["model.kind=lm", "train.fused_kernels.swiglu=triton"])
     with pytest.raises(fk.FusedKernelError, match="^config error: train.fused_kernels.swiglu=triton: the fused"):
         prepare_model(build_model("tiny"), cfg, zero_stage=2, world_size=1, dtype=torch.float32, device="cpu")
