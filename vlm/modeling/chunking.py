@@ -122,7 +122,7 @@ class ChunkCarry:
     def started(self) -> bool:
         return self.prev_k_BD is not None
 
-    def start(self, con: Concepts, c_hat_BMD: torch.Tensor, merge: str, scan_impl: str = "torch") -> None:
+    def start(self, con: Concepts, c_hat_BMD: torch.Tensor, merge: str, scan_impl: str = "auto") -> None:
         """After a whole sequence (the prefill): the EMA the next token reads and the open chunk."""
         rows = torch.arange(con.count_B.shape[0], device=con.count_B.device)
         done_B = con.completed_B(merge)
