@@ -8,8 +8,8 @@ Per kernel, the torch path and the fused one are two variants of the same interl
 N = tokens per step (``--sizes``; the GPU MFU step packs ~30K), D / V / E / I / top_k from
 configs/model/mfu_1b.yaml. Also the peak memory of one call and the named host syncs per call
 (``syncs.host_sync``; none is expected). The verdict per kernel: ``keep`` when the fused
-one is faster in the median of per-round ratios; where it is not, ``fused_kernels.AUTO_ON_CUDA`` should
-say "torch" for it. On CPU the fused kernels cannot run (they are Triton on CUDA): the torch paths are
+one is faster in the median of per-round ratios; ``auto`` takes a fused kernel only where
+``vlm/modeling/gpu_verdicts.json`` marks it correct and faster (written by scripts/gpu/verdicts.py). On CPU the fused kernels cannot run (they are Triton on CUDA): the torch paths are
 timed alone (the rehearsal's smoke run).
 
     python -m benchmarks.fused_kernels --device cuda [--sizes 32768] [--reps 10]
@@ -146,8 +146,8 @@ def run(argv=None) -> dict:
         md = (f"## Fused kernels vs the torch paths (train.fused_kernels)\n\n{settings_line(s)}\n\n"
               f"- shapes of configs/model/mfu_1b.yaml: D={c.hidden_size}, V={c.vocab_size}, E={c.num_experts}, "
               f"I={c.moe_intermediate_size}, top_k={c.top_k} (experts: N x top_k rows); forward + backward\n"
-              "- verdict: keep where the fused kernel is faster (median of per-round ratios > 1); otherwise set "
-              "its entry of `vlm.modeling.fused_kernels.AUTO_ON_CUDA` to \"torch\"\n\n" + table + "\n")
+              "- verdict: keep where the fused kernel is faster (median of per-round ratios > 1); `auto` takes it "
+              "where `vlm/modeling/gpu_verdicts.json` marks it correct and faster (scripts/gpu/verdicts.py)\n\n" + table + "\n")
         return {"results": results, "shapes": {"hidden": c.hidden_size, "vocab": c.vocab_size,
                                                "experts": c.num_experts, "intermediate": c.moe_intermediate_size,
                                                "top_k": c.top_k}}, md

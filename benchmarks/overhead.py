@@ -67,7 +67,9 @@ class OursStep:
         raw = {"name": f"overhead_{'conceptmoe' if chunking else 'moe'}", "output_dir": str(out), "seed": 0,
                "deepspeed": "zero2", "cpu_threads": threads, "device": device.type,
                "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
-               "model": {"kind": "lm", "preset": str(REPO_ROOT / "configs" / "model" / "mfu_1b.yaml"), "chunking": chunking, **WIDTH, **layers},
+               "model": {"kind": "lm", "preset": str(REPO_ROOT / "configs" / "model" / "mfu_1b.yaml"), "chunking": chunking, **WIDTH, **layers,
+                         # the concept sequence at capacity T (no read of M) on every device, as "auto" on a GPU once measured
+                         "runtime": {"capacity": "tokens"}},
                "data": {"kind": "synthetic", "max_length": T, "synthetic_vocab": 2000},
                "train": {"max_steps": 10_000, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
                "log": {"every_steps": 10_000, "progress_bar": False, "report_to": []},
@@ -206,8 +208,6 @@ def run(argv=None) -> dict:
     log = logger(s)
     T = s.sizes[0]
     tmp = Path(tempfile.mkdtemp(prefix="overhead_"))
-    from vlm.modeling import conceptmoe
-    capacity, conceptmoe.CAPACITY = conceptmoe.CAPACITY, "tokens"  # the GPU's path ("auto" there): no read of M
     layers = SMOKE_LAYERS if s.smoke else {}
     steps = {name: OursStep(name == "conceptmoe", T, s.threads, tmp, s.device, s.dtype, layers)
              for name in ("conceptmoe", "moe")}
@@ -228,7 +228,6 @@ def run(argv=None) -> dict:
         results[name]["host_time_s"] = timing.stats(name)
     for name in ("conceptmoe", "moe"):
         steps[name].close()
-    conceptmoe.CAPACITY = capacity
     depth = steps["transformers"].model.config.num_hidden_layers
     hf_ops = results["transformers"]["ops"]
     from vlm.modeling.varlen import LOOP_SYNC

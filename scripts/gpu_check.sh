@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU check on ONE H100/H200, offline, on a bare machine, in under 8 minutes. Steps, by value:
 #   tests        the CUDA test subset (the device-marked test files, VLM_TEST_DEVICE=cuda)
+#   verdicts     each new fast path (Triton EMA scan, capacity T, captured decode, fused kernels) beside its
+#                reference: correct / faster -> gpu_verdicts.json + .md (scripts/gpu/verdicts.py; copy the
+#                json over vlm/modeling/gpu_verdicts.json to flip the defaults of `auto` on CUDA)
 #   train        100 bf16 steps of the small VLM (configs/train/gpu_check.yaml) with ZeRO-2 under
 #                the deepspeed launcher, then its metrics.jsonl checked (loss falls, nothing NaN/inf)
 #   mfu          the training MFU of a ~1B-parameter ConceptMoE at 8K packed tokens (gpu_mfu.yaml)
@@ -23,7 +26,7 @@
 # results.tar.gz (benchmark results, metrics.jsonl files, environment and feature report).
 #
 # Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
-# GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,train,mfu,bench),
+# GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,verdicts,train,mfu,bench),
 # GPU_CHECK_BENCH (overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe),
 # GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
 # the whole script is one { ...; exit; } block: bash parses it before running, so editing the file
@@ -35,7 +38,7 @@ ROOT=$PWD
 
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
-STEPS=${GPU_CHECK_STEPS:-tests,train,mfu,bench}
+STEPS=${GPU_CHECK_STEPS:-tests,verdicts,train,mfu,bench}
 BENCHES=${GPU_CHECK_BENCH:-overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe}
 DEVICE=${DEVICE:-cuda}
 KIT=${GPU_CHECK_KIT:-.gpu_kit}
@@ -90,7 +93,7 @@ write_summary() {  # summary.txt + results.tar.gz in $OUTDIR, after every step
     echo "gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), device $DEVICE, $(elapsed)s of ${BUDGET_S}s)"
     for i in "${!NAMES[@]}"; do printf '  %-20s %6ss  %s\n' "${NAMES[$i]}" "${TIMES[$i]}" "${RESULTS[$i]}"; done
     [ -f "$WORK/features.txt" ] && { echo "feature-detected paths:"; sed 's/^/  /' "$WORK/features.txt"; }
-    for f in "$BENCH_OUT/SUMMARY.md" runs/gpu_mfu/mfu_report.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
+    for f in "$WORK/verdicts/gpu_verdicts.md" "$BENCH_OUT/SUMMARY.md" runs/gpu_mfu/mfu_report.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
     true
   } > "$OUTDIR/summary.txt.tmp" && mv "$OUTDIR/summary.txt.tmp" "$OUTDIR/summary.txt"
   local files=()
@@ -162,6 +165,12 @@ if wants tests; then
   mapfile -t TEST_FILES < <("$PY" -m scripts.gpu.import_walk --device-tests)  # the kit test walks the same files
   step tests 170 env VLM_TEST_DEVICE="$TEST_DEVICE" "$PY" -m pytest -m device -q -p no:cacheprovider \
     -o addopts="" -r fEs --maxfail 25 --timeout 120 "${TEST_FILES[@]}"
+fi
+
+# --- the verdicts: which new path `auto` may take on CUDA -----------------------------------------
+if wants verdicts; then
+  VERDICT_ARGS=(--reps 10); [[ "$DEVICE" == cpu ]] && VERDICT_ARGS=(--rehearse)  # CPU: nothing measured
+  step verdicts 60 "$PY" -m scripts.gpu.verdicts --device "$DEVICE" --out "$WORK/verdicts" "${VERDICT_ARGS[@]}"
 fi
 
 free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }

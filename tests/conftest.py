@@ -55,6 +55,12 @@ def build_model(preset: str = "tiny_concept", seed: int = 0, **overrides) -> Con
     return ConceptMoEForCausalLM(cfg).float().eval()
 
 
+def runtime(model):
+    """The ``RuntimeOptions`` a model's ConceptMoE backbone reads (``config.runtime``; a VLM's text config's)."""
+    from vlm.modeling.conceptmoe import ConceptMoEModel
+    return next(m.cfg for m in model.modules() if isinstance(m, ConceptMoEModel)).runtime
+
+
 @torch.no_grad()
 def decisive(model: ConceptMoEForCausalLM, seed: int = 0) -> ConceptMoEForCausalLM:
     """Set both chunker projections to u u^T (u a random unit vector): cos(q_n, k_{n-1}) = +-1, so

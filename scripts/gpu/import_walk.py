@@ -45,7 +45,8 @@ def helper_modules(test_dir: Path) -> dict[str, Path]:
 def entry_points() -> list[Path]:
     files = [ROOT / "tests" / "conftest.py", *device_test_files(),
              ROOT / "vlm" / "train.py", ROOT / "scripts" / "gpu_mfu.py",
-             ROOT / "scripts" / "check_train_metrics.py", ROOT / "data_pipelines" / "default_data.py"]
+             ROOT / "scripts" / "check_train_metrics.py", ROOT / "data_pipelines" / "default_data.py",
+             ROOT / "scripts" / "gpu" / "verdicts.py"]
     files += [ROOT / "benchmarks" / f"{m}.py" for m in BENCH_MODULES]
     return files
 

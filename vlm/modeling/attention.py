@@ -7,7 +7,7 @@ starts a new concept (`KVCache.step(..., commit_B)`), so they hold one entry per
 
 Packed or padded rows (segment ids, padding) get a `DocLayout` (varlen.py): attention per document
 keyed by its boundaries, no T x T mask. The dense [B, 1, T, T] mask (`causal_mask`) is the
-reference, used everywhere when ``IMPL = "dense"`` (tests compare the two).
+reference, used everywhere when the model's ``runtime.attention`` is ``"dense"`` (tests compare the two).
 
 Joint decoding (paper section 6) is the optional ``concept_BTD`` input: when the layer was built
 with ``joint=True``, Q/K/V each get an extra zero-initialisable projection of the concept signal.
@@ -24,8 +24,6 @@ from .configuration_conceptmoe import AttentionConfig
 from .varlen import DocLayout, doc_attention
 
 from .fused_kernels import rms_norm  # torch path: rms_norm.rms_norm (train.fused_kernels.rms_norm)
-
-IMPL = "varlen"  # "varlen": DocLayout for packed / padded rows | "dense": the T x T reference mask
 
 
 class RMSNorm(nn.Module):
@@ -142,17 +140,17 @@ def causal_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, 
 
 
 def attention_mask(valid_BT: torch.Tensor | None, segment_BT: torch.Tensor | None, T: int,
-                   device: torch.device, layout: DocLayout | None = None):
+                   device: torch.device, layout: DocLayout | None = None, impl: str = "varlen"):
     """What every layer of a stack gets as ``mask``: None (plain causal: no padding, no packing), a
-    `DocLayout` (default) or, with ``IMPL = "dense"``, the reference mask of `causal_mask`. ``layout``:
+    `DocLayout` (``impl`` "varlen") or, with ``impl`` "dense", the reference mask of `causal_mask`. ``layout``:
     the same DocLayout built on the host from these ``valid_BT`` / ``segment_BT`` (the collator's
     ``doc_layout``), moved to ``device`` instead of built there (no device read)."""
     if valid_BT is None and segment_BT is None:
         return None
-    if IMPL == "dense":
+    if impl == "dense":
         return causal_mask(valid_BT, segment_BT, T, device)
-    if IMPL != "varlen":
-        raise ValueError(f"attention IMPL={IMPL!r}: use 'varlen' or 'dense'")
+    if impl != "varlen":
+        raise ValueError(f"runtime.attention={impl!r}: use 'varlen' or 'dense'")
     if layout is not None:
         B = (valid_BT if valid_BT is not None else segment_BT).shape[0]
         if (layout.B, layout.T) != (B, T):
@@ -263,6 +261,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    model_config = None  # the ConceptMoEConfig whose ``runtime`` it reads (set by ConceptMoEModel); None: defaults
+
     def __init__(self, cfg: AttentionConfig, hidden_size: int, joint: bool = False):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -286,6 +286,11 @@ class Attention(nn.Module):
             self.q_c_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=False)
             self.k_c_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
             self.v_c_proj = nn.Linear(hidden_size, self.n_kv * self.head_dim, bias=False)
+
+    @property
+    def varlen_kernel(self) -> str:
+        """The document-attention kernel choice of the model's ``runtime.varlen_kernel`` (varlen.py)."""
+        return "auto" if self.model_config is None else self.model_config.runtime.varlen_kernel
 
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -320,7 +325,7 @@ class Attention(nn.Module):
                                                       enable_gqa=True).transpose(1, 2)
         else:
             if isinstance(mask, DocLayout):
-                out_BTHD = doc_attention(q, k, v, mask)
+                out_BTHD = doc_attention(q, k, v, mask, self.varlen_kernel)
             else:  # None: plain causal; else the dense [B, 1, T, T] mask
                 out_BTHD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                           enable_gqa=True).transpose(1, 2)

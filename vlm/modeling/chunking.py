@@ -122,11 +122,11 @@ class ChunkCarry:
     def started(self) -> bool:
         return self.prev_k_BD is not None
 
-    def start(self, con: Concepts, c_hat_BMD: torch.Tensor, merge: str) -> None:
+    def start(self, con: Concepts, c_hat_BMD: torch.Tensor, merge: str, scan_impl: str = "auto") -> None:
         """After a whole sequence (the prefill): the EMA the next token reads and the open chunk."""
         rows = torch.arange(con.count_B.shape[0], device=con.count_B.device)
         done_B = con.completed_B(merge)
-        ema_BMD = ema_scan(c_hat_BMD, con.prob_BM)
+        ema_BMD = ema_scan(c_hat_BMD, con.prob_BM, impl=scan_impl)
         self.ema_BD = ema_BMD[rows, (done_B - 1).clamp(min=0)]
         self.has_ema_B = done_B > 0
         if merge == "sum":

@@ -24,6 +24,7 @@ from .blocks import TransformerBlock
 from .chunking import CONCEPT_SYNC, IMAGE, ChunkModule, achieved_ratio, concept_counts
 from .dechunk import dechunk
 from .moe import TokenMask
+from .runtime import RuntimeOptions, scan_impl, use_tokens_capacity
 from .syncs import host_sync
 
 PAD_SYNC = ("conceptmoe: whether unpacked rows hold padding (none: plain causal attention, no document "
@@ -37,21 +38,11 @@ HOST_LAYOUT = ("prefill: the padding checks and document layouts computed on the
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 
-# The concept sequence's length M (chunking.form_concepts): "auto" uses the capacity T (a host bound: no
-# read of the concept count, static shapes; the concept layers run on T slots, padding included) on a GPU
-# when the batch came with a host-built document layout (the packing collator's training batches), else
-# reads the longest row's count (on the CPU that read waits for nothing, and M < T slots cost less);
-# "tokens" always T; "exact" always reads.
-CAPACITY = "auto"
-CAPACITIES = ("auto", "tokens", "exact")
-
-
-def concept_capacity(T: int, host_layout: bool, device: torch.device) -> int | None:
-    """The ``capacity`` handed to ``form_concepts``: T or None (read M), see ``CAPACITY``."""
-    if CAPACITY not in CAPACITIES:
-        raise ValueError(f"conceptmoe CAPACITY={CAPACITY!r}: use one of {CAPACITIES}")
-    auto = CAPACITY == "auto" and host_layout and device.type != "cpu"
-    return T if CAPACITY == "tokens" or auto else None
+def concept_capacity(T: int, host_layout: bool, device: torch.device, opts: RuntimeOptions) -> int | None:
+    """The ``capacity`` handed to ``form_concepts``: T or None (read M), see ``RuntimeOptions.capacity``
+    (``auto``: T on CUDA for host-laid-out batches once the GPU verdicts say so; on the CPU the read waits
+    for nothing and M < T slots cost less)."""
+    return T if use_tokens_capacity(opts, host_layout, device.type) else None
 
 
 @dataclass
@@ -99,6 +90,8 @@ class ConceptMoEModel(nn.Module):
                 self.concept_in = nn.Linear(d, d_c, bias=False)
                 self.concept_out = nn.Linear(d_c, d, bias=False)
         self.schedule = concept_schedule(cfg) if cfg.chunking else []
+        for layer in self.layers:
+            layer.attn.model_config = cfg  # its runtime choices (cfg.runtime.varlen_kernel), read live
 
     # pieces ------------------------------------------------------------------------------------
     @property
@@ -167,7 +160,8 @@ class ConceptMoEModel(nn.Module):
             mvalid = valid_BT if host[0] else None
         else:
             mvalid = padding(valid_BT if attention_mask is not None else None, segment_ids, doc_layout)
-        mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout)
+        mask = attention.attention_mask(mvalid, segment_ids, T, x.device, layout=doc_layout,
+                                        impl=self.cfg.runtime.attention)
         cos_sin = self.rope(position_ids, self.cfg.hidden_size, x.dtype)
         tok_fill = (mvalid, T)  # token caches: every row continues at slot T; None: no padding
         stats: list = []
@@ -189,11 +183,10 @@ class ConceptMoEModel(nn.Module):
             out.tokens_per_expert = [s.tokens_per_expert for s in stats]
         return out
 
-    @staticmethod
-    def _concept_capacity(T: int, doc_layout, state, device) -> int | None:
+    def _concept_capacity(self, T: int, doc_layout, state, device) -> int | None:
         """``concept_capacity``; the prefill (``state``) reads the concept count: the concept caches are
         filled with it and sized by it (capacity T would make them as large as the token caches)."""
-        return None if state is not None else concept_capacity(T, doc_layout is not None, device)
+        return None if state is not None else concept_capacity(T, doc_layout is not None, device, self.cfg.runtime)
 
     def _chunked(self, h, valid_BT, position_ids, segment_ids, modality_ids, tok_valid, cos_sin, mask,
                  stats, out, state, tok_fill, capacity=None, doc_layout=None):
@@ -215,11 +208,12 @@ class ConceptMoEModel(nn.Module):
         elif counts is not None:  # the concepts' padding and layout from the host's counts: no device read
             clayout = concept_layout_from_counts(counts, c_in.shape[1])
             cval = None if clayout is None else con.valid_BM
-            cmask = attention.attention_mask(cval, None, c_in.shape[1], h.device, layout=clayout)
+            cmask = attention.attention_mask(cval, None, c_in.shape[1], h.device, layout=clayout,
+                                             impl=cfg.runtime.attention)
         else:
             cval = padding(con.valid_BM, con.segment_BM)
         if cmask is None:
-            cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device)
+            cmask = attention.attention_mask(cval, con.segment_BM, c_in.shape[1], h.device, impl=cfg.runtime.attention)
         ccos_sin = self.rope(con.position_BM, c_in.shape[-1], h.dtype)
         cval_moe = TokenMask.of(cval)  # prepared once for the concept stack's MoE layers
         c = c_in
@@ -233,10 +227,11 @@ class ConceptMoEModel(nn.Module):
             if st is not None:
                 stats.append(st)
         c_hat = self.from_concept(c - c_in)  # the concept model's update (see dechunk.py)
+        scan = scan_impl(cfg.runtime, c_hat.device.type)
         z, read_BTD = dechunk(h, c_hat, con.prob_BM, p_BT, b_BT, con.index_BT, merge,
-                              con.segment_BM, segment_ids)
+                              con.segment_BM, segment_ids, scan_impl=scan)
         if state is not None:
-            state.start(con, c_hat, merge)
+            state.start(con, c_hat, merge, scan_impl=scan)
         caches = state.token_caches[self.n_enc:] if state is not None else None
         z = self._run(self.decoder, z, cos_sin, mask, tok_valid, stats, caches, tok_fill, concept=read_BTD)
         out.boundary_BT, out.prob_BT, out.num_concepts_B = b_BT, p_BT, con.count_B
@@ -245,10 +240,10 @@ class ConceptMoEModel(nn.Module):
     def _concept_layout(self, doc_layout, b_BT, c_in):
         """The concept stack's `DocLayout` at capacity T from the host's token layout
         (``varlen.concept_layout``), where the attention kernel needs no length buckets; else None."""
-        if attention.IMPL != "varlen":
+        if self.cfg.runtime.attention != "varlen":
             return None
         attn = self.concept_model[0].attn
-        kernel = varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim)
+        kernel = varlen.kernel_for(c_in.device, c_in.dtype, attn.head_dim, self.cfg.runtime.varlen_kernel)
         if kernel == "bucketed":
             return None
         return varlen.concept_layout(doc_layout, b_BT, varlen.TAIL if kernel == "flash" else 1)

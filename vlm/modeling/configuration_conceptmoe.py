@@ -3,7 +3,8 @@
 
 YAML presets may be flat or sectioned (``attention:``, ``moe:``, ``chunking:``, ``layout:``);
 ``chunking: {enabled: true}`` sets the flat boolean ``chunking``. Overrides use the same names,
-flat (``num_experts=16``) or dotted (``moe.num_experts=16``)."""
+flat (``num_experts=16``) or dotted (``moe.num_experts=16``). ``runtime:`` (``runtime.capacity=exact``)
+holds how the model computes (runtime.py): kept on the config object, not saved in exports."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,7 @@ from pydantic import Field
 from transformers import PretrainedConfig
 
 from .config_base import ConfigError, NonNegInt, Num, PosInt, Section, build, check, fail, load_yaml
+from .runtime import RuntimeOptions, runtime_options
 
 
 class AttentionConfig(Section):
@@ -169,7 +171,8 @@ class ConceptMoEConfig(PretrainedConfig):
 
     model_type = "conceptmoe"
 
-    def __init__(self, **kwargs):
+    def __init__(self, runtime: RuntimeOptions | dict | None = None, **kwargs):
+        self.runtime = runtime_options(runtime)  # how it computes (runtime.py); not saved (``to_dict``)
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in FIELD_OWNER}
         sections = _sections(own)  # before transformers' own checks see a wrongly typed value
         values = {f: getattr(sec, f) for sec in sections.values() for f in type(sec).model_fields}
@@ -183,6 +186,11 @@ class ConceptMoEConfig(PretrainedConfig):
         # ``top_k`` is the MoE's experts per token, not a sampling setting: without this,
         # transformers mistakes it for a generation parameter and ``save_pretrained`` raises.
         return {k: v for k, v in super()._get_generation_parameters().items() if k not in FIELD_OWNER}
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("runtime", None)  # a runtime setting of this process, not part of the architecture
+        return out
 
     # component views (built from the live attributes, unvalidated: ``validate`` checks them) ------
     def _view(self, cls: type[Section]) -> Section:
@@ -236,8 +244,12 @@ class ConceptMoEConfig(PretrainedConfig):
     def flatten_sections(cls, raw: dict, overrides: dict | None = None) -> dict:
         """Sectioned YAML + flat or dotted overrides -> flat field values (unknown keys named)."""
         flat: dict[str, Any] = {}
+        runtime: dict[str, Any] = {}
         for key, val in (raw or {}).items():
-            if key in SECTIONS and isinstance(val, dict):
+            if key == "runtime":
+                check(isinstance(val, dict), "runtime", f"must be a mapping, got {val!r}")
+                runtime.update(val)
+            elif key in SECTIONS and isinstance(val, dict):
                 for sub, subval in val.items():
                     name = _flat_name(key, sub)
                     check(name in SECTIONS[key].model_fields, f"{key}.{sub}", "unknown config key")
@@ -247,10 +259,15 @@ class ConceptMoEConfig(PretrainedConfig):
                 flat[key] = val
         for key, val in (overrides or {}).items():
             section, _, sub = key.rpartition(".")
+            if section == "runtime":
+                runtime[sub] = val
+                continue
             name = _flat_name(section, sub)
             ok = name in FIELD_OWNER and (not section or (section in SECTIONS and name in SECTIONS[section].model_fields))
             check(ok, key, "unknown config key")
             flat[name] = val
+        if runtime:
+            flat["runtime"] = runtime
         return flat
 
     @classmethod

@@ -57,9 +57,10 @@ def read_index(index_BT: torch.Tensor, concept_segment_BM, segment_BT, merge: st
 
 
 def dechunk(h_BTD, c_hat_BMD, concept_prob_BM, p_BT, b_BT, index_BT, merge: str,
-            concept_segment_BM=None, segment_BT=None, scan: bool = True):
-    """Returns z (the decoder input) and the per-token concept signal (for joint decoding)."""
-    ema_BMD = (ema_scan if scan else ema_reference)(c_hat_BMD, concept_prob_BM)
+            concept_segment_BM=None, segment_BT=None, scan: bool = True, scan_impl: str = "auto"):
+    """Returns z (the decoder input) and the per-token concept signal (for joint decoding). ``scan_impl``:
+    the EMA scan's implementation (torch | triton | auto; ``runtime.scan_impl`` resolves the model's)."""
+    ema_BMD = ema_scan(c_hat_BMD, concept_prob_BM, impl=scan_impl) if scan else ema_reference(c_hat_BMD, concept_prob_BM)
     idx_BT, ok_BT = read_index(index_BT, concept_segment_BM, segment_BT, merge)
     read_BTD = ema_BMD.gather(1, idx_BT[..., None].expand(-1, -1, ema_BMD.shape[-1]))
     read_BTD = read_BTD * ok_BT[..., None].to(read_BTD.dtype)

@@ -124,7 +124,8 @@ class StaticStep:
     def _run(self, graph) -> None:
         if self.state.decode == "cudagraph":
             return self._replay(graph)
-        (compiled_graph(graph, self.cuda) if self.compiled else graph)(self.model, self.state, self.io)
+        backend = self.model.cfg.runtime.decode_compile_backend
+        (compiled_graph(graph, self.cuda, backend) if self.compiled else graph)(self.model, self.state, self.io)
 
     def _replay(self, graph) -> None:
         """"cudagraph": warm up (eager, side stream), then capture, then replay (module docstring)."""
@@ -169,18 +170,18 @@ def capture(run) -> torch.cuda.CUDAGraph:
     return graph
 
 
-BACKEND = "inductor"  # torch.compile's backend for "compiled" (the unit tests: "eager", dynamo's trace without code generation)
 _COMPILED: dict = {}
 
 
-def compiled_graph(graph, cuda: bool):
-    """``torch.compile`` of one phase graph, made once per process and backend (its compiled code is
-    kept per function; guards on shapes and config choose between versions). fullgraph: a graph
-    break is an error, never a silent split."""
-    key = (graph, cuda, BACKEND)
+def compiled_graph(graph, cuda: bool, backend="inductor"):
+    """``torch.compile`` of one phase graph with ``backend`` (the model's ``runtime.decode_compile_backend``;
+    the unit tests: "eager", dynamo's trace without code generation), made once per process and backend
+    (its compiled code is kept per function; guards on shapes and config choose between versions).
+    fullgraph: a graph break is an error, never a silent split."""
+    key = (graph, cuda, backend)
     if key not in _COMPILED:
-        mode = ("reduce-overhead" if cuda else None) if BACKEND == "inductor" else None
-        _COMPILED[key] = torch.compile(graph, backend=BACKEND, fullgraph=True, mode=mode)
+        mode = ("reduce-overhead" if cuda else None) if backend == "inductor" else None
+        _COMPILED[key] = torch.compile(graph, backend=backend, fullgraph=True, mode=mode)
     return _COMPILED[key]
 
 

@@ -5,9 +5,10 @@
   rms_norm       torch: ``rms_norm.rms_norm``       liger: liger's RMSNorm kernels (``liger_ops.py``)
   swiglu         torch: ``expert_mlp.GroupedSwiGLU``
                  triton: ours (``expert_mlp_fused.py``; liger's SwiGLU does not fit the fused gate/up layout)
-Each kernel is ``auto`` (its fused implementation on CUDA where the package imports and the model
-fits it, else the torch path: said once in the log, with the reason), ``torch``, or its fused name
-(where it cannot run: one error line). The choice is process-wide (like ``attention.IMPL``): ``configure``
+Each kernel is ``auto`` (its fused implementation on CUDA where the package imports, the model fits it
+and the GPU check measured it correct and faster (``gpu_verdicts.json``, verdicts.py), else the torch
+path: said once in the log, with the reason), ``torch``, or its fused name
+(where it cannot run: one error line). The choice is process-wide (unlike ``ConceptMoEConfig.runtime``): ``configure``
 (the trainer's ``prepare_model``) sets ``ACTIVE`` / ``IMPL``, which the dispatch lines read; ``use`` sets
 them for a block (tests, benchmarks/fused_kernels.py). Each fused path is tested against its torch
 path (tests/unit/modeling/test_fused_kernels.py); benchmarks/fused_kernels.py times them on a GPU.
@@ -20,16 +21,20 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
+from .verdicts import proven
 from .config_base import ConfigError
 from .expert_mlp import GroupedSwiGLU
 from .rms_norm import rms_norm as rms_norm_torch
 
 FUSED = {"cross_entropy": "liger", "rms_norm": "liger", "swiglu": "triton"}  # each kernel's fused name
-# what ``auto`` picks on CUDA (where it can run); the GPU check's timings (benchmarks/fused_kernels.py)
-# decide each entry: a kernel shown faster than the torch path gets its fused name here. None has been
-# run on a GPU yet, so ``auto`` keeps the torch paths (a fused kernel is taken by naming it)
-AUTO_ON_CUDA = dict.fromkeys(FUSED, "torch")
-UNMEASURED = "not yet shown faster on a GPU (benchmarks/fused_kernels.py decides; name it to use it)"
+UNMEASURED = ("not yet measured correct and faster on a GPU (vlm/modeling/gpu_verdicts.json, written by "
+              "scripts/gpu/verdicts.py; name it to use it)")
+
+
+def auto_on_cuda(table: dict | None = None) -> dict[str, str]:
+    """What ``auto`` picks on CUDA where a kernel can run: its fused name where the GPU verdicts
+    (``table``; None = gpu_verdicts.json) say correct and faster, else torch."""
+    return {k: name if proven(f"fused_{k}_{name}", table) else "torch" for k, name in FUSED.items()}
 PACKAGE = {"liger": "liger_kernel", "triton": "triton"}
 DIST = {"liger": "liger-kernel (pip install -e '.[gpu]')", "triton": "triton"}
 
@@ -95,16 +100,18 @@ def why_not(kernel: str, device: str, model: nn.Module | None = None, zero_stage
 
 
 def resolve(spec: dict[str, str], device: str, model: nn.Module | None = None,
-            zero_stage: int = 0) -> tuple[dict[str, str], dict[str, str]]:
+            zero_stage: int = 0, table: dict | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """``spec`` (kernel -> auto | torch | fused name) -> (kernel -> torch | fused name, kernel -> why an
-    ``auto`` took the torch path). A fused name that cannot run raises ``FusedKernelError``."""
+    ``auto`` took the torch path). A fused name that cannot run raises ``FusedKernelError``. ``table``:
+    the GPU verdicts (None: gpu_verdicts.json)."""
     chosen, reasons = {}, {}
+    measured = auto_on_cuda(table)
     for kernel, want in spec.items():
         if want not in ("auto", "torch", FUSED[kernel]):
             raise FusedKernelError(f"config error: train.fused_kernels.{kernel}={want!r}: use auto, torch or {FUSED[kernel]}")
         why = None if want == "torch" else why_not(kernel, device, model, zero_stage)
         if want == "auto":
-            pick = AUTO_ON_CUDA[kernel] if why is None else "torch"
+            pick = measured[kernel] if why is None else "torch"
             if why is None and pick == "torch":
                 why = UNMEASURED
             if why is not None:

@@ -27,7 +27,6 @@ from .syncs import host_sync
 # (the fixed-shape step under torch.compile, CUDA graphs on CUDA) or "cudagraph" (the eager fixed-shape
 # step captured as CUDA graphs, no compilation; CUDA only); decode_graph.py
 DECODE_MODES = ("eager", "static", "compiled", "cudagraph")
-CONCEPT_HEADROOM = 16  # concept slots beyond capacity / R (forced boundaries: segment / modality starts)
 CONCEPT_GROWTH = 16  # a full concept cache grows by 1 / CONCEPT_GROWTH of its capacity (whole headroom pages)
 
 
@@ -41,17 +40,18 @@ def planned_ratio(cfg) -> float:
     return float(min(r for r in (cfg.target_ratio, cfg.image_target_ratio, cfg.text_target_ratio) if r))
 
 
-def concept_capacity(capacity: int, ratio: float) -> int:
-    """Concept slots planned for ``capacity`` token positions: ceil(capacity / R) + headroom."""
-    return math.ceil(capacity / ratio) + CONCEPT_HEADROOM
+def concept_capacity(capacity: int, ratio: float, headroom: int) -> int:
+    """Concept slots planned for ``capacity`` token positions: ceil(capacity / R) + ``headroom`` (the
+    model's ``runtime.concept_headroom``: forced boundaries, segment / modality starts)."""
+    return math.ceil(capacity / ratio) + headroom
 
 
-def grown_capacity(capacity: int) -> int:
+def grown_capacity(capacity: int, headroom: int) -> int:
     """The next size of a full concept cache: 1 / CONCEPT_GROWTH more, rounded up to whole pages of
-    CONCEPT_HEADROOM slots. Small steps, since an achieved R a little under the planned one overflows
+    ``headroom`` slots. Small steps, since an achieved R a little under the planned one overflows
     the plan by a few slots only (doubling would allocate the token caches' size again); still
     geometric, so the copies cost O(1) amortised per entry."""
-    page = max(1, CONCEPT_HEADROOM)
+    page = max(1, headroom)
     return capacity + max(1, math.ceil(capacity / CONCEPT_GROWTH / page)) * page
 
 
@@ -61,6 +61,10 @@ class ConceptKVCache(KVCache):
     prefill, by ``grown_capacity`` before a decoding step that could find it full (``reserve``,
     a host check of the host bound: the step itself reads nothing). The token caches keep their fixed
     capacity."""
+
+    def __init__(self, *args, headroom: int):
+        super().__init__(*args)
+        self.headroom = headroom  # runtime.concept_headroom
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` entries: the held ones copied, the new slots empty (invalid)."""
@@ -73,14 +77,14 @@ class ConceptKVCache(KVCache):
         self.valid_BC = torch.cat([self.valid_BC, self.valid_BC.new_zeros(B, extra)], 1)
 
     def fill(self, k_BHTD, v_BHTD, valid_BT, len_B) -> None:
-        self.grow(k_BHTD.shape[2] + CONCEPT_HEADROOM)
+        self.grow(k_BHTD.shape[2] + self.headroom)
         super().fill(k_BHTD, v_BHTD, valid_BT, len_B)
 
     def reserve(self) -> None:
         """Between decoding steps (never inside one): room for the next entry of the longest row the
         host bound ``size`` allows, by ``grown_capacity`` when that row would not fit."""
         if self.size >= self.capacity:
-            self.grow(grown_capacity(self.capacity))
+            self.grow(grown_capacity(self.capacity, self.headroom))
 
 
 @dataclass
@@ -104,15 +108,17 @@ class DecodeState(ChunkCarry):
     def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype,
                  decode: str = "eager") -> "DecodeState":
         """Token caches of ``capacity`` slots; concept caches (``ConceptKVCache``) of
-        ``concept_capacity(capacity, planned_ratio(cfg))``, grown when needed. ``decode``: one of
+        ``concept_capacity(capacity, planned_ratio(cfg), cfg.runtime.concept_headroom)``, grown when needed. ``decode``: one of
         ``DECODE_MODES``."""
         check_decode(decode, torch.device(device))
         cfg = model.cfg
         kv = cfg.num_key_value_heads
-        n_concepts = concept_capacity(capacity, planned_ratio(cfg))
+        headroom = cfg.runtime.concept_headroom
+        n_concepts = concept_capacity(capacity, planned_ratio(cfg), headroom)
         token_layers = list(model.encoder) + list(model.decoder)
         tokens = [KVCache(batch, kv, capacity, layer.attn.head_dim, device, dtype) for layer in token_layers]
-        concept = [ConceptKVCache(batch, kv, n_concepts, model.concept_model[i].attn.head_dim, device, dtype)
+        concept = [ConceptKVCache(batch, kv, n_concepts, model.concept_model[i].attn.head_dim, device, dtype,
+                                  headroom=headroom)
                    for i in model.schedule]
         state = cls(tokens, concept)
         state.decode = decode

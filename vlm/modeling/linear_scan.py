@@ -3,9 +3,10 @@ function whose op count does not depend on the length M.
 
 Forward and backward are both the scan: the gradient of x is the reverse scan of the output gradient
 with the decays shifted by one (gh_m = g_m + a_{m+1} gh_{m+1}), the gradient of a_m is
-sum_D gh_m * y_{m-1}. Two implementations of the scan, picked by feature detection:
-- CUDA with Triton importable: ``linear_scan_triton`` (three kernel launches whatever M);
-- otherwise the torch chunked closed form ``scan_torch`` (Mamba-2's SSD with one state per channel):
+sum_D gh_m * y_{m-1}. Two implementations of the scan (``impl``; the model's ``runtime.ema_scan``):
+- ``triton``: ``linear_scan_triton`` (CUDA; three kernel launches whatever M). ``auto`` takes it on CUDA
+  only once the GPU check marked it correct and faster (verdict ``ema_scan_triton``, verdicts.py);
+- ``torch``: the chunked closed form ``scan_torch`` (Mamba-2's SSD with one state per channel):
   chunks of Q concepts, each a [Q, Q] decay matrix times the chunk, then the chunk ends carried by one
   [N, N] decay matrix over the N chunks: about 20 ops whatever M, no Python loop. The decay matrices
   come from masked cumulative sums of log a (no difference of two large cumulative sums, no division
@@ -20,6 +21,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .verdicts import proven
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +75,10 @@ def _say_once(msg: str) -> None:
 
 def scan(a_BM: torch.Tensor, x_BMD: torch.Tensor, reverse: bool, impl: str, block: int = BLOCK) -> torch.Tensor:
     if impl == "auto":
-        impl = "triton" if triton_usable(x_BMD) else "torch"
+        impl = "triton" if triton_usable(x_BMD) and proven("ema_scan_triton") else "torch"
         if x_BMD.is_cuda and impl == "torch":
-            _say_once("dechunk EMA: triton is not importable; the torch chunked scan runs on CUDA")
+            _say_once("dechunk EMA: the torch chunked scan runs on CUDA (auto: the Triton scan is not importable or "
+                      "not yet measured correct and faster by the GPU check, vlm/modeling/gpu_verdicts.json)")
     if impl == "triton":
         from .linear_scan_triton import scan as scan_triton
         return scan_triton(a_BM, x_BMD, reverse=reverse)

@@ -7,7 +7,8 @@ token of one row with one segment id, in row order; every padding token is a doc
 (``attention.causal_mask``) allows, also for segment ids that are not contiguous in a row; a
 padding query there also sees the earlier valid keys of its segment (its output is unused).
 
-Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for tests):
+Three kernels, chosen per call (``doc_attention``; its ``kernel`` argument, the model's
+``runtime.varlen_kernel``, forces one):
 
 * ``flash`` (CUDA, fp16 / bf16, head_dim % 8 == 0 and <= 256): ``torch.nn.attention.varlen
   .varlen_attn`` (FlashAttention-2 varlen, causal, GQA; ``features.varlen_call``) over the
@@ -47,8 +48,7 @@ LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest
 LOOP_SYNC = ("varlen: the loop kernel's document runs (the CPU's kernel; flash on CUDA reads nothing); once per stack "
              "and forward")
 
-KERNEL = "auto"  # "auto": flash where it applies, else loop on the CPU, else bucketed | "loop" | "bucketed"
-KERNELS = ("auto", "loop", "bucketed")
+KERNELS = ("auto", "loop", "bucketed")  # "auto": flash where it applies, else loop on the CPU, else bucketed
 
 
 @dataclass
@@ -205,33 +205,35 @@ def concept_layout(tokens: DocLayout, b_BT: torch.Tensor, tail: int = TAIL) -> D
     return DocLayout(B, T, None, torch.arange(N, device=device), cu, max(tokens.max_len, min(tail, T)), None, None)
 
 
-def flash_applies(q_BHTD: torch.Tensor) -> bool:
-    return kernel_for(q_BHTD.device, q_BHTD.dtype, q_BHTD.shape[-1]) == "flash"
+def flash_applies(q_BHTD: torch.Tensor, kernel: str = "auto") -> bool:
+    return kernel_for(q_BHTD.device, q_BHTD.dtype, q_BHTD.shape[-1], kernel) == "flash"
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The kernel ``doc_attention`` runs for queries of this device, dtype and head size."""
-    if (KERNEL == "auto" and device.type == "cuda" and varlen_api() is not None
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, kernel: str = "auto") -> str:
+    """The kernel ``doc_attention`` runs for queries of this device, dtype and head size under the
+    choice ``kernel`` (``KERNELS``)."""
+    if (kernel == "auto" and device.type == "cuda" and varlen_api() is not None
             and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256):
         return "flash"
-    return "loop" if KERNEL == "loop" or (KERNEL == "auto" and device.type != "cuda") else "bucketed"
+    return "loop" if kernel == "loop" or (kernel == "auto" and device.type != "cuda") else "bucketed"
 
 
 def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
-                  layout: DocLayout) -> torch.Tensor:
-    """Causal attention within each document of ``layout``; returns [B, T, H, D]."""
+                  layout: DocLayout, kernel: str = "auto") -> torch.Tensor:
+    """Causal attention within each document of ``layout``; returns [B, T, H, D]. ``kernel``: one of
+    ``KERNELS`` (the model's ``runtime.varlen_kernel``)."""
     B, H, T, D = q_BHTD.shape
     if (B, T) != (layout.B, layout.T):
         raise ValueError(f"DocLayout is for {layout.B} x {layout.T} positions, got {B} x {T}")
-    if KERNEL not in KERNELS:
-        raise ValueError(f"varlen KERNEL={KERNEL!r}: use one of {KERNELS}")
-    if KERNEL == "loop" and q_BHTD.is_cuda:
-        raise ValueError("varlen KERNEL='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
-    if flash_applies(q_BHTD):
+    if kernel not in KERNELS:
+        raise ValueError(f"runtime.varlen_kernel={kernel!r}: use one of {KERNELS}")
+    if kernel == "loop" and q_BHTD.is_cuda:
+        raise ValueError("runtime.varlen_kernel='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
+    if flash_applies(q_BHTD, kernel):
         return _flash(q_BHTD, k_BHTD, v_BHTD, layout)
-    if KERNEL == "auto" and torch.compiler.is_compiling():
+    if kernel == "auto" and torch.compiler.is_compiling():
         return _masked(q_BHTD, k_BHTD, v_BHTD, layout)
-    if KERNEL == "loop" or (KERNEL == "auto" and not q_BHTD.is_cuda):
+    if kernel == "loop" or (kernel == "auto" and not q_BHTD.is_cuda):
         return _loop(q_BHTD, k_BHTD, v_BHTD, layout)
     return _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
 

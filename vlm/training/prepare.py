@@ -6,7 +6,8 @@ the DeepSpeed engine, in one order:
    anything reads them;
 2. loss-only (``modeling_conceptmoe.loss_only``): training reads the losses and boundaries, never logits
    (chunked CE, no [B, T, V]); the fused kernels (``train.fused_kernels``, vlm/modeling/fused_kernels.py)
-   chosen for the device, the LM head (LoRA'd or not) and the ZeRO stage;
+   chosen for the device, the LM head (LoRA'd or not) and the ZeRO stage; the model's runtime choices
+   (``model.runtime.*``, vlm/modeling/runtime.py) said in one line, ``auto`` resolved for the device;
 3. recompute (``activation_checkpointing``): the checkpoint call sits in the block's forward ...
 4. ... so ``compile`` (``train.compile``) traces it with the block (and the LoRA adapters);
 5. expert parallelism (``expert_parallel``): each MoE layer keeps this rank's experts (the parameter
@@ -26,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from vlm.config.train import TrainConfig
-from vlm.modeling import fused_kernels
+from vlm.modeling import fused_kernels, runtime
+from vlm.modeling.conceptmoe import ConceptMoEModel
 from vlm.modeling.modeling_conceptmoe import loss_only
 from vlm.training import lora, optim
 from vlm.training.activation_checkpointing import apply_activation_checkpointing
@@ -52,6 +54,8 @@ def prepare_model(model: nn.Module, cfg: TrainConfig, *, zero_stage: int, world_
                         else optim.apply_freeze(model, trainable))
     loss_only(model)
     fused_kernels.configure(cfg.train.fused_kernels.model_dump(), device, model, zero_stage, log_line)
+    backbone = next(m for m in model.modules() if isinstance(m, ConceptMoEModel))
+    log_line("[train] " + runtime.resolved(backbone.cfg.runtime, device))
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     ep_size = cfg.parallel.expert_parallel_size
     if cfg.train.compile:

@@ -1,4 +1,4 @@
-"""The concept capacity (conceptmoe.CAPACITY, chunking.form_concepts(capacity=)): the concept sequence is
+"""The concept capacity (the model's runtime.capacity, chunking.form_concepts(capacity=)): the concept sequence is
 T slots long, a host bound, instead of the longest row's concept count read from the device; the padded
 slots change nothing: loss, outputs and gradients equal the path that reads M (packed rows with a host
 layout, padded rows, looped / narrower concept layers, images, cached generation)."""
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, left_padded
+from conftest import build_model, left_padded, runtime
 from test_host_layout import _packed
 
-from vlm.modeling import conceptmoe, syncs
+from vlm.modeling import syncs
+from vlm.modeling.config_base import ConfigError
 from vlm.modeling.chunking import CONCEPT_SYNC, ChunkModule
 from vlm.modeling.varlen import DocLayout
 
@@ -18,8 +19,9 @@ CASES = {"last": {}, "sum-looped-dc96": {"concept_merge": "sum", "concept_loop_l
 
 
 def _step(model, batch, capacity: str, seed: int = 3):
-    """Loss, logits and gradients of one training forward + backward under ``CAPACITY = capacity``."""
-    old, conceptmoe.CAPACITY = conceptmoe.CAPACITY, capacity
+    """Loss, logits and gradients of one training forward + backward under ``runtime.capacity = capacity``."""
+    opts = runtime(model)
+    old, opts.capacity = opts.capacity, capacity
     try:
         model.zero_grad()
         torch.manual_seed(seed)  # the boundary sampling draws the same numbers whatever M
@@ -27,7 +29,7 @@ def _step(model, batch, capacity: str, seed: int = 3):
             out = model(**batch)
             (out.loss + out.logits.float().square().mean() if out.logits is not None else out.loss).backward()
     finally:
-        conceptmoe.CAPACITY = old
+        opts.capacity = old
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads, named
 
@@ -51,18 +53,26 @@ def test_packed_batch_with_host_layout_reads_no_concept_count(overrides):
     batch = _packed()
     layout = DocLayout.on_host(batch["attention_mask"].bool(), batch["segment_ids"])  # as the collator does
     ref = _step(model, {**batch, "doc_layout": layout}, "exact")
-    got = _step(model, {**batch, "doc_layout": layout}, "tokens")  # what "auto" takes on a GPU
+    got = _step(model, {**batch, "doc_layout": layout}, "tokens")  # what "auto" takes on a GPU once measured
     assert ref[2][CONCEPT_SYNC] == 1 and got[2][CONCEPT_SYNC] == 0, (ref[2], got[2])
     _same(ref, got, "packed")
 
 
-def test_auto_capacity_is_t_on_a_gpu_with_a_host_layout_only():
-    """On the CPU reading M waits for nothing and M < T slots cost less: "auto" reads it there."""
-    from vlm.modeling.conceptmoe import concept_capacity
+def test_auto_capacity_is_t_on_a_gpu_with_a_host_layout_once_measured():
+    """On the CPU reading M waits for nothing and M < T slots cost less: "auto" reads it there; on a GPU
+    it takes T for host-laid-out batches only where the GPU verdicts mark capacity T correct and faster."""
+    from vlm.modeling import verdicts
+    from vlm.modeling.runtime import RuntimeOptions, use_tokens_capacity
 
-    assert concept_capacity(64, True, torch.device("cuda", 0)) == 64
-    assert concept_capacity(64, True, torch.device("cpu")) is None
-    assert concept_capacity(64, False, torch.device("cuda", 0)) is None
+    shown = verdicts.unmeasured()
+    shown["paths"]["capacity_tokens"].update(correct=True, faster=True)
+    auto = RuntimeOptions()
+    assert use_tokens_capacity(auto, True, "cuda", shown)
+    assert not use_tokens_capacity(auto, True, "cpu", shown)
+    assert not use_tokens_capacity(auto, False, "cuda", shown)
+    assert not use_tokens_capacity(auto, True, "cuda", verdicts.unmeasured())
+    assert use_tokens_capacity(RuntimeOptions(capacity="tokens"), False, "cpu", verdicts.unmeasured())
+    assert not use_tokens_capacity(RuntimeOptions(capacity="exact"), True, "cuda", shown)
 
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
@@ -95,13 +105,10 @@ def test_generation_with_capacity_equals_reading_the_count():
     ids, am = left_padded(B=2, T=12, pad=4)
     outs = []
     for capacity in ("exact", "tokens"):
-        old, conceptmoe.CAPACITY = conceptmoe.CAPACITY, capacity
-        try:
-            with torch.no_grad():
-                outs.append(model.generate(input_ids=ids, attention_mask=am, max_new_tokens=10, do_sample=False,
-                                           output_scores=True, return_dict_in_generate=True))
-        finally:
-            conceptmoe.CAPACITY = old
+        runtime(model).capacity = capacity
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=am, max_new_tokens=10, do_sample=False,
+                                       output_scores=True, return_dict_in_generate=True))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].scores, outs[1].scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -119,10 +126,14 @@ def test_a_capacity_below_the_tokens_is_refused():
     assert con.x_BMD.shape == (1, 6, 8) and bool(con.valid_BM.all())
 
 
-def test_an_unknown_capacity_mode_is_refused(monkeypatch):
-    monkeypatch.setattr(conceptmoe, "CAPACITY", "tight")
-    with pytest.raises(ValueError, match="CAPACITY='tight'"):
-        conceptmoe.concept_capacity(8, True, torch.device("cpu"))
+def test_an_unknown_capacity_mode_is_refused():
+    want = "config error: runtime.capacity: input should be 'auto', 'tokens' or 'exact', got 'tight'"
+    with pytest.raises(ConfigError) as err:
+        build_model(**{"runtime.capacity": "tight"})
+    assert str(err.value) == want
+    with pytest.raises(ConfigError) as err:
+        runtime(build_model()).capacity = "tight"
+    assert str(err.value) == want
 
 
 @pytest.mark.parametrize("tail", [64, 1])

@@ -28,8 +28,11 @@ BACKEND = "eager"  # dynamo's trace run as is (aot_eager: +functionalization, 2x
 GRAPHS = {"tiny": 1, "tiny_concept": 3}  # the plain MoE's whole step; token, concept, decoder phases
 
 
-def _model(preset: str, **overrides):
+def _model(preset: str, backend=None, **overrides):
+    """``backend``: the model's ``runtime.decode_compile_backend`` (the ``counter`` fixture's)."""
     model = build_model(preset, **overrides)
+    if backend is not None:
+        model.config.runtime.decode_compile_backend = backend
     if model.config.chunking:
         decisive(randomise_joint(model), 3)
     return dev(model)
@@ -37,10 +40,10 @@ def _model(preset: str, **overrides):
 
 @pytest.fixture
 def counter(monkeypatch):
-    """"compiled" on aot_eager, counted; fresh compiled code for the test."""
+    """"compiled" on dynamo's eager backend, counted (a model's ``runtime.decode_compile_backend``: ``_model(preset,
+    counter)``); fresh compiled code for the test."""
     torch._dynamo.reset()
     count = CompileCounterWithBackend(BACKEND)
-    monkeypatch.setattr(decode_graph, "BACKEND", count)
     monkeypatch.setattr(decode_graph, "_COMPILED", {})
     yield count
     torch._dynamo.reset()
@@ -63,7 +66,7 @@ def test_static_and_compiled_steps_equal_eager(preset, counter):
     """The low-level loop (``start_decoding(decode=...)``, ``prefill``, ``step``), batch 3 with a
     left-padded row, 24 tokens: the same greedy tokens in the three modes, logits to float rounding;
     "compiled" compiles each graph once over all the tokens and a second state of the same shapes."""
-    model = _model(preset)
+    model = _model(preset, counter)
     ids, am = dev(*left_padded(B=3, T=12, pad=4))
     want, want_logits = _loop(model, "eager", ids, am, 24)
     for decode in ("static", "compiled"):
@@ -80,7 +83,7 @@ def test_static_and_compiled_steps_equal_eager(preset, counter):
 def test_generate_static_and_compiled_equal_eager(preset, beams, counter):
     """Through transformers' GenerationMixin (``generate(decode=...)``, beam search reordering the
     buffers in place): the same sequences as the eager step; each graph compiled once."""
-    model = _model(preset)
+    model = _model(preset, counter)
     ids, am = dev(*left_padded(B=2, T=12, pad=4))
     kw = {"attention_mask": am, "do_sample": False, "num_beams": beams, "max_new_tokens": 12}
     want = model.generate(ids, **kw)
@@ -93,7 +96,7 @@ def test_given_cache_decodes_in_its_mode(counter):
     """A ``ConceptCache(decode="compiled")`` passed to generate decodes compiled; continued from the
     returned cache (more token slots: the fixed-shape step is rebuilt on them) the tokens still
     equal the eager path's."""
-    model = _model("tiny")  # (one graph: the cache's handling is the same for both stacks)
+    model = _model("tiny", counter)  # (one graph: the cache's handling is the same for both stacks)
     ids, am = dev(*left_padded(B=2, T=12, pad=4))
     kw = {"attention_mask": am, "do_sample": False, "max_new_tokens": 6, "return_dict_in_generate": True}
     want = model.generate(ids, **{generation_cache_key(): ConceptCache(ids.shape[1] + 7)}, **kw)
@@ -111,8 +114,7 @@ def test_concept_cache_growth_recompiles_the_concept_graph_only(counter, monkeyp
     grow between decoding steps; the tokens equal the eager path's, the token and decoder graphs
     compile once and the concept graph once more per shape change at most (after the first,
     torch.compile's automatic dynamic shapes take the capacity as a symbol)."""
-    monkeypatch.setattr(generation, "CONCEPT_HEADROOM", 2)
-    model = _model("tiny_concept", concept_merge="sum", target_ratio=16.0)
+    model = _model("tiny_concept", counter, concept_merge="sum", target_ratio=16.0, **{"runtime.concept_headroom": 2})
     ids, am = dev(*left_padded(B=2, T=20, pad=3))
     want, _ = _loop(model, "eager", ids, am, 30)
     with torch.no_grad():
@@ -196,7 +198,6 @@ def test_cudagraph_sequence_on_the_cpu(merge, monkeypatch):
     greedy and beam search give the eager path's tokens while concept caches grow (planned for
     R = 16 with 2 slots of headroom): each graph is captured once, the concept graph again after a
     growth (at most once per growth), and no captured buffer ever moves (beam reordering copies into them)."""
-    monkeypatch.setattr(generation, "CONCEPT_HEADROOM", 2)
     monkeypatch.setattr(decode_graph, "warm_up", lambda run: run())
     monkeypatch.setattr(decode_graph, "capture", FakeGraph)
     monkeypatch.setattr(generation, "check_decode", lambda decode, device=None: decode)  # (CUDA only otherwise)
@@ -208,7 +209,7 @@ def test_cudagraph_sequence_on_the_cpu(merge, monkeypatch):
         reserve(cache)
         growths.append(cache.capacity > before)
     monkeypatch.setattr(generation.ConceptKVCache, "reserve", counted)
-    model = _model("tiny_concept", concept_merge=merge, target_ratio=16.0)
+    model = _model("tiny_concept", concept_merge=merge, target_ratio=16.0, **{"runtime.concept_headroom": 2})
     ids, am = dev(*left_padded(B=2, T=20, pad=3))
     for beams in (1, 2):
         kw = {"attention_mask": am, "do_sample": False, "num_beams": beams, "max_new_tokens": 24}

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import vlm.modeling
 from vlm.config.train import load_train_config
-from vlm.modeling import fused_kernels as fk
+from vlm.modeling import fused_kernels as fk, verdicts
 from vlm.modeling.config_base import ConfigError
 from vlm.modeling.expert_mlp import GroupedSwiGLU
 from vlm.modeling.modeling_conceptmoe import chunked_lm_loss, loss_only
@@ -36,6 +36,14 @@ from test_linear_scan import _triton_python_modules
 
 AUTO = {"cross_entropy": "auto", "rms_norm": "auto", "swiglu": "auto"}
 OURS = ["vlm.modeling.swiglu_triton", "vlm.modeling.liger_ops", "vlm.modeling.expert_mlp_fused"]
+
+
+def proven_table() -> dict:
+    """GPU verdicts with every fused kernel measured correct and faster."""
+    table = verdicts.unmeasured()
+    for kernel, name in fk.FUSED.items():
+        table["paths"][f"fused_{kernel}_{name}"].update(correct=True, faster=True, measured_on="test")
+    return table
 
 
 # selection ------------------------------------------------------------------------------------------
@@ -63,22 +71,21 @@ def test_auto_on_cuda_takes_each_fused_kernel_where_it_can_run(monkeypatch):
     model = build_model("tiny")
     # as shipped: no kernel measured faster on a GPU yet, so auto keeps the torch paths and says why
     assert fk.resolve(AUTO, "cuda", model) == (dict.fromkeys(AUTO, "torch"), dict.fromkeys(AUTO, fk.UNMEASURED))
-    monkeypatch.setattr(fk, "AUTO_ON_CUDA", dict(fk.FUSED))  # once the GPU check has shown them faster
-    assert fk.resolve(AUTO, "cuda", model) == (fk.FUSED, {})
-    chosen, why = fk.resolve(AUTO, "cuda", model, zero_stage=3)
+    shown = proven_table()  # once the GPU check has shown them correct and faster
+    assert fk.resolve(AUTO, "cuda", model, table=shown) == (fk.FUSED, {})
+    chosen, why = fk.resolve(AUTO, "cuda", model, zero_stage=3, table=shown)
     assert chosen["cross_entropy"] == "torch" and "ZeRO-3" in why["cross_entropy"]
     with pytest.raises(fk.FusedKernelError, match="cross_entropy=liger: ZeRO-3 gathers"):
         fk.resolve({**AUTO, "cross_entropy": "liger"}, "cuda", model, zero_stage=3)
     model.lm_head = type("LoraLinear", (nn.Linear,), {})(8, 8, bias=False)
-    chosen, why = fk.resolve(AUTO, "cuda", model)
+    chosen, why = fk.resolve(AUTO, "cuda", model, table=shown)
     assert chosen["cross_entropy"] == "torch" and "LoraLinear" in why["cross_entropy"]
 
 
 def test_a_missing_package_is_named(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name))
-    monkeypatch.setattr(fk, "AUTO_ON_CUDA", dict(fk.FUSED))
-    chosen, why = fk.resolve(AUTO, "cuda")
+    chosen, why = fk.resolve(AUTO, "cuda", table=proven_table())
     assert chosen == {"cross_entropy": "torch", "rms_norm": "torch", "swiglu": "triton"}
     assert why["rms_norm"] == "liger-kernel (pip install -e '.[gpu]') is not installed"
     with pytest.raises(fk.FusedKernelError, match="rms_norm=liger: liger-kernel"):
@@ -106,6 +113,9 @@ def test_prepare_model_says_the_choice_or_stops_on_a_fused_name_on_cpu():
     assert [x for x in lines if "fused kernels" in x] == [
         "[train] fused kernels: torch paths for cross_entropy, rms_norm, swiglu "
         "(auto: the fused kernels run on CUDA, the device is cpu)"]
+    assert [x for x in lines if "runtime" in x] == [  # the model's runtime choices, once
+        "[train] runtime (model.runtime.*): capacity=auto (exact for host-laid-out batches), varlen_kernel=auto, "
+        "attention=varlen, ema_scan=auto (torch), decode_compile_backend=inductor, concept_headroom=16"]
     cfg = load_train_config("configs/train/default.yaml", overrides=["model.kind=lm", "train.fused_kernels.swiglu=triton"])
     with pytest.raises(fk.FusedKernelError, match="^config error: train.fused_kernels.swiglu=triton: the fused"):
         prepare_model(build_model("tiny"), cfg, zero_stage=2, world_size=1, dtype=torch.float32, device="cpu")

@@ -305,15 +305,14 @@ def test_concept_caches_sized_at_capacity_over_R(tiny_model):
     """``boundary_mode: fixed``, R = 2, 16-token prompt + 1,000 greedy tokens, batch 1: each concept
     cache is allocated at ceil(capacity / 2) + 16 slots (the token caches: capacity), never grows, and
     holds exactly the full forward's concepts; the steps' logits equal the full forward's."""
-    from vlm.modeling.generation import CONCEPT_HEADROOM
-
     model = dev(tiny_model("tiny_concept", boundary_mode="fixed", target_ratio=2.0, concept_merge="last"))
+    headroom = model.config.runtime.concept_headroom
     prompt = dev(torch.randint(1, V, (1, 16), generator=torch.Generator().manual_seed(0)))
     n = 1000
     capacity = 16 + n + 1
     state = model.start_decoding(1, capacity)
     planned = [c.capacity for c in state.concept_caches]
-    assert planned == [-(-capacity // 2) + CONCEPT_HEADROOM] * len(planned)
+    assert planned == [-(-capacity // 2) + headroom] * len(planned)
     seq, steps = [prompt], []
     with torch.no_grad():
         logits = model.prefill(state, prompt)
@@ -331,7 +330,7 @@ def test_concept_caches_sized_at_capacity_over_R(tiny_model):
     before = tok // len(state.token_caches) * len(state.concept_caches)  # concept caches at token capacity
     print(f"\n[generation] fixed R=2, {capacity} token slots: concept caches allocate {con} bytes "
           f"({con / before:.3f} of the {before} bytes at token capacity)")
-    assert con / before <= 0.5 + (CONCEPT_HEADROOM + 1) / capacity
+    assert con / before <= 0.5 + (headroom + 1) / capacity
 
 
 @pytest.mark.parametrize("merge", ["last", "sum"])
@@ -341,7 +340,6 @@ def test_concept_caches_grow_when_more_concepts_arrive(tiny_model, make_decisive
     (``check_cached_equals_full``: boundaries, entries per concept, logits, generate)."""
     from vlm.modeling import generation
 
-    monkeypatch.setattr(generation, "CONCEPT_HEADROOM", 2)
     grown = []
     real_grow = generation.ConceptKVCache.grow
 
@@ -351,11 +349,12 @@ def test_concept_caches_grow_when_more_concepts_arrive(tiny_model, make_decisive
         real_grow(self, capacity)
     monkeypatch.setattr(generation.ConceptKVCache, "grow", spy)
     model = dev(make_decisive(tiny_model("tiny_concept", concept_merge=merge, target_ratio=16.0), 3))
+    model.config.runtime.concept_headroom = 2
     ids, am = left_padded(B=2, T=20, pad=3)
     check_cached_equals_full(model, ids, am, 30)
     planned = -(-(20 + 30 + 1) // 16) + 2
     assert grown and grown[0][0] == planned, grown
-    assert any(new == generation.grown_capacity(old) for old, new in grown), grown  # a decoding step found it full
+    assert any(new == generation.grown_capacity(old, 2) for old, new in grown), grown  # a decoding step found it full
 
 
 def test_concept_cache_grows_in_small_steps():
@@ -365,7 +364,7 @@ def test_concept_cache_grows_in_small_steps():
     from vlm.modeling.generation import ConceptKVCache, concept_capacity, grown_capacity
 
     tokens = 4096
-    cache = ConceptKVCache(1, 1, concept_capacity(tokens, 2.0), 2, torch.device("cpu"), torch.float32)
+    cache = ConceptKVCache(1, 1, concept_capacity(tokens, 2.0, 16), 2, torch.device("cpu"), torch.float32, headroom=16)
     planned = cache.capacity
     n = math.ceil(tokens / 1.98)
     for i in range(n):
@@ -374,5 +373,5 @@ def test_concept_cache_grows_in_small_steps():
         cache.advance()
     assert n > planned and int(cache.num_entries()[0]) == n
     assert torch.equal(cache.k[0, 0, :n, 0], torch.arange(n, dtype=torch.float32))
-    assert cache.capacity == grown_capacity(planned) and cache.capacity / tokens < 0.6, cache.capacity
-    assert grown_capacity(16) == 32 and grown_capacity(1000) == 1000 + 64  # whole pages of 16 slots
+    assert cache.capacity == grown_capacity(planned, 16) and cache.capacity / tokens < 0.6, cache.capacity
+    assert grown_capacity(16, 16) == 32 and grown_capacity(1000, 16) == 1000 + 64  # whole pages of 16 slots

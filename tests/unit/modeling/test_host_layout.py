@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm.modeling import conceptmoe, syncs
+from vlm.modeling import syncs
 from vlm.modeling.varlen import LAYOUT_SYNC, LOOP_SYNC, DocLayout
 
 from conftest import build_model
@@ -33,9 +33,8 @@ def _packed(B=2, T=24, vocab=60, seed=0):
 def test_host_layout_gives_the_same_loss_and_gradients_without_the_token_layout_read(chunking, monkeypatch):
     # both runs read the concept count M (a host layout otherwise also switches the concept sequence to
     # its capacity T: equal up to the summation order of padded slots, test_concept_capacity.py)
-    monkeypatch.setattr(conceptmoe, "CAPACITY", "exact")
     torch.manual_seed(0)
-    model = build_model(chunking=chunking)
+    model = build_model(chunking=chunking, **{"runtime.capacity": "exact"})
     batch = _packed()
     layout = DocLayout.on_host(batch["attention_mask"].bool(), batch["segment_ids"])  # as the collator does
     runs = []
@@ -82,9 +81,8 @@ def test_a_host_layout_without_padding_spares_the_moe_masks(chunking, monkeypatc
     # padding mask (nothing to mask: no masked sort, output or loss sums), with the same loss and gradients
     from vlm.modeling.moe import MoEFeedForward
 
-    monkeypatch.setattr(conceptmoe, "CAPACITY", "exact")
     torch.manual_seed(0)
-    model = build_model(chunking=chunking)
+    model = build_model(chunking=chunking, **{"runtime.capacity": "exact"})
     batch = _packed()
     batch["segment_ids"][1, 20:] = 2  # row 1's last 4 positions: a second document instead of padding
     batch["attention_mask"] = torch.ones_like(batch["attention_mask"])

@@ -182,15 +182,13 @@ def test_packed_training_step_skips_the_padding_check():
 
 def test_packed_training_step_with_a_host_layout_reads_no_concept_count(monkeypatch):
     """The trainer's path on a GPU: a packed batch with the collator's host-built token layout. Chunking's
-    concept sequence is T slots long (a host bound, conceptmoe.CAPACITY "auto" on a GPU, "tokens" here so
+    concept sequence is T slots long (a host bound, runtime.capacity "auto" on a GPU once measured, "tokens" here so
     the CPU runs the same path), so M is never read, and the concept
     stack's layout comes from the token layout and the boundaries on the device (varlen.concept_layout).
     What is left runs on the CPU only: the loop kernel's document runs of the concept layout (a read of a
     CPU tensor, named LOOP_SYNC; the flash kernel on CUDA reads nothing)."""
     from test_host_layout import _packed
-    from vlm.modeling import conceptmoe
-    monkeypatch.setattr(conceptmoe, "CAPACITY", "tokens")
-    model = dev(build_model("tiny_concept")).train()
+    model = dev(build_model("tiny_concept", **{"runtime.capacity": "tokens"})).train()
     batch = {k: dev(v) for k, v in _packed().items()}
     layout = DocLayout.on_host(_packed()["attention_mask"].bool(), _packed()["segment_ids"])  # as the collator does
     with HostReads() as hr, syncs.counting() as named:

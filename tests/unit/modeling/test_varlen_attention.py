@@ -14,16 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm.modeling.configuration_conceptmoe import AttentionConfig
+from vlm.modeling.configuration_conceptmoe import AttentionConfig, ConceptMoEConfig
 from vlm.modeling import attention, varlen
 from vlm.modeling.attention import Attention, attention_mask, causal_mask, rope_cos_sin
 from vlm.modeling.varlen import DocLayout
 
-from conftest import randomise_joint  # noqa: E402
+from conftest import randomise_joint, runtime  # noqa: E402
 from _device import DEVICE, ON_CUDA, cuda_only, dev, require_test_device, tol  # noqa: E402, F401
 
 # "loop" is the CPU kernel (torch's CPU flash op); on CUDA it is refused (test_loop_kernel_on_cuda_is_refused)
 KERNELS_HERE = ["bucketed"] if ON_CUDA else ["loop", "bucketed"]
+
+
+def with_kernel(attn: Attention, kernel: str) -> Attention:
+    """A standalone layer given a model config whose ``runtime.varlen_kernel`` is ``kernel``."""
+    attn.model_config = ConceptMoEConfig(runtime={"varlen_kernel": kernel})
+    return attn
 
 pytestmark = pytest.mark.device
 
@@ -61,11 +67,10 @@ def run_both(module, call, inputs, valid, seg, T, monkeypatch):
     ``attention_mask``): outputs of the valid rows, the same random weighting of them (0 on padding)."""
     results = []
     for impl in ("dense", "varlen"):
-        monkeypatch.setattr(attention, "IMPL", impl)
         module.zero_grad(set_to_none=True)
         for t in inputs:
             t.grad = None
-        mask = attention_mask(valid, seg, T, DEVICE)
+        mask = attention_mask(valid, seg, T, DEVICE, impl=impl)
         assert isinstance(mask, DocLayout) == (impl == "varlen")
         out = call(mask)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE) * valid[..., None]
@@ -120,14 +125,11 @@ def test_attention_mask_choice(monkeypatch):
                           (14, 5, False), (19, 8, False), (27, 1, True)]
     assert isinstance(attention_mask(valid, None, 14, DEVICE), DocLayout)
     assert isinstance(attention_mask(None, seg, 14, DEVICE), DocLayout)
-    monkeypatch.setattr(attention, "IMPL", "dense")
-    assert attention_mask(valid, seg, 14, DEVICE).shape == (2, 1, 14, 14)
-    monkeypatch.setattr(attention, "IMPL", "sparse")
-    with pytest.raises(ValueError, match="IMPL"):
-        attention_mask(valid, seg, 14, DEVICE)
-    monkeypatch.setattr(varlen, "KERNEL", "fast")
-    with pytest.raises(ValueError, match="KERNEL"):
-        varlen.doc_attention(*(torch.zeros(2, 2, 14, 4, device=DEVICE),) * 3, DocLayout.build(valid, seg))
+    assert attention_mask(valid, seg, 14, DEVICE, impl="dense").shape == (2, 1, 14, 14)
+    with pytest.raises(ValueError, match="runtime.attention='sparse'"):
+        attention_mask(valid, seg, 14, DEVICE, impl="sparse")
+    with pytest.raises(ValueError, match="runtime.varlen_kernel='fast'"):
+        varlen.doc_attention(*(torch.zeros(2, 2, 14, 4, device=DEVICE),) * 3, DocLayout.build(valid, seg), "fast")
     with pytest.raises(ValueError, match="DocLayout is for"):
         varlen.doc_attention(*(torch.zeros(1, 2, 5, 4, device=DEVICE),) * 3, DocLayout.build(valid, seg))
 
@@ -136,9 +138,8 @@ def test_attention_mask_choice(monkeypatch):
 @pytest.mark.parametrize("joint", [False, True])
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
 def test_attention_layer_matches_dense(name, joint, kernel, monkeypatch):
-    monkeypatch.setattr(varlen, "KERNEL", kernel)
     torch.manual_seed(0)
-    attn = Attention(CFG, CFG.hidden_size, joint=joint)
+    attn = with_kernel(Attention(CFG, CFG.hidden_size, joint=joint), kernel)
     for p in attn.parameters():
         torch.nn.init.normal_(p, std=0.2)
     attn = dev(attn)
@@ -157,8 +158,8 @@ def test_attention_layer_matches_dense(name, joint, kernel, monkeypatch):
 @pytest.mark.parametrize("kernel", ["auto", "bucketed"])
 def test_model_blocks_match_dense(tiny_model, stack, name, kernel, monkeypatch):
     """The model's own blocks (MoE FFN, concept width and top-k, joint decoding) on one layout."""
-    monkeypatch.setattr(varlen, "KERNEL", kernel)
     model = randomise_joint(tiny_model("tiny_concept", concept_hidden_size=48))
+    runtime(model).varlen_kernel = kernel
     core = model.model
     block = {"encoder": core.encoder, "concept": core.concept_model, "decoder": core.decoder}[stack][0]
     block = dev(block)
@@ -197,19 +198,18 @@ def _packed_batch(V: int = 2048):
 @pytest.mark.device
 @pytest.mark.skipif(not ON_CUDA, reason="the refusal is of CUDA tensors")
 def test_loop_kernel_on_cuda_is_refused(monkeypatch):
-    monkeypatch.setattr(varlen, "KERNEL", "loop")
     seg = dev(torch.tensor([[1, 1, 2, 2]]))
     q = dev(torch.randn(1, 2, 4, 8))
     with pytest.raises(ValueError, match="CPU flash kernel"):
-        varlen.doc_attention(q, q, q, DocLayout.build(None, seg))
+        varlen.doc_attention(q, q, q, DocLayout.build(None, seg), "loop")
 
 
 @pytest.mark.parametrize("merge, kernel", [("last", "auto"), ("sum", "auto"), ("last", "bucketed")])
 def test_full_model_matches_dense(tiny_model, make_decisive, merge, kernel, monkeypatch):
     """ConceptMoEModel with segment_ids + padding: logits, every loss and every parameter gradient
     equal the dense-mask reference (decisive router: a last-bit difference cannot flip a boundary)."""
-    monkeypatch.setattr(varlen, "KERNEL", kernel)
     model = dev(randomise_joint(make_decisive(tiny_model("tiny_concept", concept_merge=merge), 3)))
+    runtime(model).varlen_kernel = kernel
     ids, am, seg, pos = _packed_batch()
     labels = ids.masked_fill(am == 0, -100)
     seen = []
@@ -217,7 +217,7 @@ def test_full_model_matches_dense(tiny_model, make_decisive, merge, kernel, monk
     monkeypatch.setattr(attention, "attention_mask", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     results = []
     for impl in ("dense", "varlen"):
-        monkeypatch.setattr(attention, "IMPL", impl)
+        runtime(model).attention = impl
         model.zero_grad(set_to_none=True)
         out = model(ids, attention_mask=am, position_ids=pos, segment_ids=seg, labels=labels)
         (out.loss + out.lb_loss + out.ratio_loss).backward()
@@ -251,7 +251,7 @@ def test_cuda_bf16_flash_matches_dense(name, monkeypatch):
     assert varlen.flash_applies(torch.zeros(1, 1, 1, attn.head_dim, device=DEVICE, dtype=torch.bfloat16))
     ref = run_both(attn, lambda m: attn(x, cs, mask=m), [x], valid, seg, T, monkeypatch)
     assert_bf16 = dict(tol(0, dtype=torch.bfloat16))
-    monkeypatch.setattr(varlen, "KERNEL", "bucketed")
+    with_kernel(attn, "bucketed")
     attn.zero_grad(set_to_none=True)
     x.grad = None
     out = attn(x, cs, mask=lay)
@@ -268,11 +268,10 @@ def test_one_token_documents_keep_q_and_k_in_the_graph(kernel, monkeypatch):
     """Every document one token long (a concept stack whose rows each collapsed into one concept):
     q and k still get a (zero) gradient, not None, so that data-parallel ranks whose batches differ
     here reduce the same set of gradients (a None on one rank desynchronised ZeRO's reduction)."""
-    monkeypatch.setattr(varlen, "KERNEL", kernel)
     seg = dev(torch.arange(3)[None].repeat(2, 1))  # 2 rows x 3 one-token documents
     q, k, v = (dev(torch.randn(2, 4, 3, 8)).requires_grad_() for _ in range(3))
     kv = (k[:, :2], v[:, :2])  # grouped-query: 2 kv heads
-    out = varlen.doc_attention(q, *kv, DocLayout.build(None, seg))
+    out = varlen.doc_attention(q, *kv, DocLayout.build(None, seg), kernel)
     torch.testing.assert_close(out, v[:, :2].repeat_interleave(2, dim=1).transpose(1, 2))
     out.square().sum().backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None
