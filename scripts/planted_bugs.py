@@ -136,6 +136,15 @@ PLANTS = [
   '        zo["contiguous_gradients"] = False\n',
   '        zo["contiguous_gradients"] = True\n',
   "tests/unit/training/test_one_rank.py::test_backward_launches_no_per_parameter_copy"),
+ # issue 39 item 6: tests that could not fail, and the weak areas of finding 6
+ ("39-num-concepts", "vlm/modeling/conceptmoe.py",
+  "out.num_concepts_B = b_BT, p_BT, con.count_B\n",
+  "out.num_concepts_B = b_BT, p_BT, torch.full_like(con.count_B, con.valid_BM.shape[1])\n",
+  "tests/unit/modeling/test_concept_capacity.py::test_padded_rows_with_capacity_equal_reading_the_count"),
+ ("39-prefill-capacity", "vlm/modeling/conceptmoe.py",
+  "return None if state is not None else concept_capacity(T, doc_layout is not None, device)",
+  "return concept_capacity(T, doc_layout is not None, device)",
+  "tests/unit/modeling/test_concept_capacity.py::test_generation_reads_the_count_and_equals_the_forward_at_capacity_t"),
 ]
 
 
