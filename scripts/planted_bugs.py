@@ -145,6 +145,14 @@ PLANTS = [
   "return None if state is not None else concept_capacity(T, doc_layout is not None, device)",
   "return concept_capacity(T, doc_layout is not None, device)",
   "tests/unit/modeling/test_concept_capacity.py::test_generation_reads_the_count_and_equals_the_forward_at_capacity_t"),
+ ("39-scan-block-carry", "vlm/modeling/linear_scan_triton.py",
+  "        S += tl.exp(tl.cumsum(dec, 0))[:, None] * s[None, :]\n",
+  "",
+  "tests/unit/modeling/test_linear_scan.py::TestTritonInterpreted::test_slow_decay_carried_across_the_carry_blocks"),
+ ("39-scan-block-decay", "vlm/modeling/linear_scan_triton.py",
+  "        S += tl.exp(tl.cumsum(dec, 0))[:, None] * s[None, :]\n",
+  "        S += tl.exp(tl.cumsum(dec, 0) - dec)[:, None] * s[None, :]\n",
+  "tests/unit/modeling/test_linear_scan.py::TestTritonInterpreted::test_slow_decay_carried_across_the_carry_blocks"),
 ]
 
 
