@@ -3,7 +3,8 @@
 ``ema_scan`` == ``ema_reference`` forward and backward (fp32, 1e-5) over M = 1 .. 1000, batch 2,
 packed documents restarted by their first concept's p = 1, p exactly 0 / 1 / tiny; long rows with p
 near 0 and near 1 against a float64 loop; the Triton kernel under ``TRITON_INTERPRET=1`` on CPU
-tensors (a slowly decaying state carried across its carry blocks too); and the op count of dechunk forward + backward, the same at 1K and 16K concepts."""
+tensors (a slowly decaying state carried across its carry blocks too); and the op count of dechunk
+forward + backward, the same at 1K and 16K concepts."""
 from __future__ import annotations
 
 import importlib
