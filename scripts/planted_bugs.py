@@ -153,6 +153,10 @@ PLANTS = [
   "        S += tl.exp(tl.cumsum(dec, 0))[:, None] * s[None, :]\n",
   "        S += tl.exp(tl.cumsum(dec, 0) - dec)[:, None] * s[None, :]\n",
   "tests/unit/modeling/test_linear_scan.py::TestTritonInterpreted::test_slow_decay_carried_across_the_carry_blocks"),
+ ("39-samples-rows", "vlm/training/metrics.py",
+  'c["samples"] = float(batch.get("num_samples", len(valid)))',
+  'c["samples"] = float(len(valid))',
+  "tests/unit/flops/test_mfu.py::test_samples_per_s_counts_the_packed_documents_not_the_rows"),
 ]
 
 
