@@ -157,6 +157,14 @@ PLANTS = [
   'c["samples"] = float(batch.get("num_samples", len(valid)))',
   'c["samples"] = float(len(valid))',
   "tests/unit/flops/test_mfu.py::test_samples_per_s_counts_the_packed_documents_not_the_rows"),
+ ("39-profile-start", "vlm/training/callbacks/profile_window.py",
+  "and trainer.step + 1 == r[0]:",
+  "and trainer.step == r[0]:",
+  "tests/unit/training/test_gpu_mfu_config.py::test_profile_window_holds_exactly_its_steps"),
+ ("39-profile-start-early", "vlm/training/callbacks/profile_window.py",
+  "and trainer.step + 1 == r[0]:",
+  "and trainer.step + 2 == r[0]:",
+  "tests/unit/training/test_gpu_mfu_config.py::test_profile_window_holds_exactly_its_steps"),
 ]
 
 

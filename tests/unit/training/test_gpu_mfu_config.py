@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scripts.gpu_mfu import is_steady, write_docs
 from _train_helpers import config, run_inprocess
@@ -61,3 +62,32 @@ def test_profile_window_writes_its_steps_and_top_ops(tmp_path):
     assert rec["steps"] == [2, 3] and rec["device"] == "cpu" and rec["gpu_idle_fraction"] is None
     assert rec["window_s"] > 0 and rec["top"] and all(t["ms_per_step"] > 0 for t in rec["top"])
     assert any("mm" in t["name"] for t in rec["top"])  # the step's matmuls are in the window
+
+
+def test_profile_window_holds_exactly_its_steps(tmp_path):
+    """``log.profile_steps: [2, 3]`` over steps 1..5 driven as ``Trainer.fit`` does (``on_step_start``
+    sees the step before it, ``on_step_end`` the step taken): the window holds the work of steps 2 and 3
+    and no other, one matmul per step. (The end-to-end test above reads back only the configured pair.)"""
+    from types import SimpleNamespace
+
+    from torch.profiler import record_function
+
+    from vlm.training.callbacks.base import StepEnd
+    from vlm.training.callbacks.profile_window import ProfileWindow
+
+    lines = []
+    trainer = SimpleNamespace(cfg=SimpleNamespace(log=SimpleNamespace(profile_steps=[2, 3])), is_main=True,
+                              device="cpu", run_dir=tmp_path, log_line=lines.append, step=0)
+    window, a = ProfileWindow(), torch.randn(8, 8)
+    for n in range(1, 6):
+        window.on_step_start(trainer)
+        with record_function(f"work_of_step_{n}"):
+            torch.mm(a, a)
+        trainer.step = n
+        window.on_step_end(trainer, StepEnd(step=n, skipped=False, last=n == 5))
+    window.close()
+    rec = json.loads((tmp_path / "profile.json").read_text())
+    top = {t["name"]: t["calls_per_step"] for t in rec["top"]}
+    assert rec["steps"] == [2, 3] and len(lines) == 1, (rec["steps"], lines)
+    assert sorted(k for k in top if k.startswith("work_of_step_")) == ["work_of_step_2", "work_of_step_3"], top
+    assert top["aten::mm"] == 1.0, top
