@@ -165,6 +165,14 @@ PLANTS = [
   "and trainer.step + 1 == r[0]:",
   "and trainer.step + 2 == r[0]:",
   "tests/unit/training/test_gpu_mfu_config.py::test_profile_window_holds_exactly_its_steps"),
+ ("39-resume-fresh", "vlm/training/checkpoint_paths.py",
+  '        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in that folder")',
+  "        return None",
+  "tests/unit/training/test_cli.py::test_bad_input_is_one_line_before_deepspeed_and_the_model"),
+ ("39-resume-fresh-unit", "vlm/training/checkpoint_paths.py",
+  '        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint in that folder")',
+  "        return None",
+  "tests/unit/training/test_checkpoint.py::test_resume_from_a_folder_without_a_complete_checkpoint_is_refused"),
 ]
 
 
