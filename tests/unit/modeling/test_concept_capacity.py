@@ -108,8 +108,8 @@ def test_generation_reads_the_count_and_equals_the_forward_at_capacity_t():
             full = model(gen.sequences, attention_mask=full_am)
     finally:
         conceptmoe.CAPACITY = old
-    assert gen_syncs[CONCEPT_SYNC] == 1, gen_syncs  # the prefill read M
-    assert full_syncs[CONCEPT_SYNC] == 0, full_syncs  # the full forward ran at capacity T
+    assert gen_syncs[CONCEPT_SYNC] == 1, f"the prefill read M {gen_syncs[CONCEPT_SYNC]} times, not once"
+    assert full_syncs[CONCEPT_SYNC] == 0, f"the full forward read M {full_syncs[CONCEPT_SYNC]} times: not at capacity T"
     assert 0 < int(full.num_concepts.min()) < int(full_am.sum(1).min())  # real compression: M < T slots
     T = ids.shape[1]
     assert torch.equal(gen.sequences[:, T:], full.logits[:, T - 1:-1].argmax(-1))
