@@ -86,8 +86,8 @@ def test_a_run_resumed_inside_the_window_profiles_the_rest_of_it(tmp_path):
     assert lines[0].startswith("[train] profile of steps 3-4:"), lines
     (tmp_path / "profile.json").unlink()
     _, lines = _drive_profile_window(tmp_path, [2, 4], start=5, stop=6)
-    assert lines == ["[train] log.profile_steps [2, 4]: this run starts after step 5, past the window: "
-                     "nothing profiled"], lines
+    assert lines == [("[train] log.profile_steps [2, 4]: this run starts after step 5, past the window: "
+                      "nothing profiled")], lines
     assert not (tmp_path / "profile.json").exists()
 
 
