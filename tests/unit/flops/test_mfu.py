@@ -43,6 +43,29 @@ def test_mfu_uses_the_documents_not_the_packed_row():
     assert abs((packed_full - honest) - 3 * attn_full * (1 - 1 / 8)) < 1e-6 * packed_full
 
 
+def test_samples_per_s_counts_the_packed_documents_not_the_rows():
+    """samples/s of packed batches (the packing collator's): 5 documents in 2 rows, then 3 in 1 row,
+    over 2 s: 4 samples/s (counting the rows would give 1.5); a batch without ``num_samples`` counts
+    its rows, one sample each."""
+    from data_pipelines.collate import PackingCollator
+
+    def doc(n, start):
+        return {"input_ids": torch.arange(start, start + n), "labels": torch.arange(start, start + n),
+                "pixel_values": None}
+    collate = PackingCollator(0, 16, 3, 4)
+    batches = [collate([doc(6, 10), doc(5, 20), doc(7, 30), doc(4, 40), doc(8, 50)]),
+               collate([doc(5, 60), doc(5, 70), doc(6, 80)])]
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 15), (1, 16)]  # packed: 2 rows, 1 row
+    stats = WindowStats(image_token_id=None)
+    for batch in batches:
+        stats.add(_Out(), batch)
+    rec = summarize(stats.reduce(), elapsed=2.0, world_size=1)
+    assert rec["samples_per_s"] == (5 + 3) / 2.0, rec["samples_per_s"]
+    stats = WindowStats(image_token_id=None)
+    stats.add(_Out(), {k: batches[0][k] for k in ("input_ids", "attention_mask")})
+    assert summarize(stats.reduce(), elapsed=2.0, world_size=1)["samples_per_s"] == 2 / 2.0
+
+
 def test_mean_doc_len_counts_real_tokens_not_padding():
     """A padded batch: the token-weighted document length divides by the real tokens (18), not the
     padded ones (32); packed (segment ids) and unpacked (a padded row is one document) alike."""

@@ -3,7 +3,8 @@
 ``ema_scan`` == ``ema_reference`` forward and backward (fp32, 1e-5) over M = 1 .. 1000, batch 2,
 packed documents restarted by their first concept's p = 1, p exactly 0 / 1 / tiny; long rows with p
 near 0 and near 1 against a float64 loop; the Triton kernel under ``TRITON_INTERPRET=1`` on CPU
-tensors; and the op count of dechunk forward + backward, the same at 1K and 16K concepts."""
+tensors (a slowly decaying state carried across its carry blocks too); and the op count of dechunk
+forward + backward, the same at 1K and 16K concepts."""
 from __future__ import annotations
 
 import importlib
@@ -183,6 +184,33 @@ class TestTritonInterpreted:
         torch.testing.assert_close(interpreted_triton.scan(a, x), scan_torch(a, x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(interpreted_triton.scan(a, x, reverse=True), scan_torch_reverse(a, x),
                                    atol=1e-5, rtol=1e-5)
+
+
+    @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+    def test_slow_decay_carried_across_the_carry_blocks(self, interpreted_triton, reverse):
+        """p in [1e-5, 1e-4] (a state that persists over thousands of concepts: a carry block of CB chunks
+        of Q decays by about 0.8) over M spanning three carry blocks of kernel (2), D below the channel
+        tile: every concept equals a float64 loop. The random p of the tests above forget within a chunk,
+        so a carry dropped between chunks or between carry blocks changed nothing they compare."""
+        k = interpreted_triton
+        B, M, D = 2, 2 * k.CB * k.Q + 3 * k.Q + 5, 3
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(B, M, D, generator=g, dtype=torch.float64)
+        a = 1.0 - (1e-5 + 9e-5 * torch.rand(B, M, generator=g, dtype=torch.float64))
+        a[1, M // 2] = 0.0  # a packed document's restart in one row
+        a, x = a.float().double(), x.float().double()  # the loop on the kernel's fp32 inputs: its error alone
+        y, ys = torch.zeros(B, D, dtype=torch.float64), []
+        for m in (range(M - 1, -1, -1) if reverse else range(M)):
+            decay = (a[:, m + 1] if m + 1 < M else torch.zeros(B, dtype=torch.float64)) if reverse else a[:, m]
+            y = decay[:, None] * y + x[:, m]
+            ys.append(y)
+        want = torch.stack(ys[::-1] if reverse else ys, 1)
+        got = k.scan(a.float(), x.float(), reverse=reverse).double()
+        crossing = [m for m in range(k.Q * k.CB - 2, M, k.Q * k.CB)]
+        assert float(want[:, crossing].abs().min()) > 1.0  # the state crossing each carry block is large
+        err = (got - want).abs()
+        worst = int(err.amax((0, 2)).argmax())
+        assert float(err.max()) <= 1e-5 * float(want.abs().max()), (float(err.max()), f"concept {worst}")
 
 
 def test_triton_kernels_compile_for_a_gpu_without_one():

@@ -74,6 +74,19 @@ def test_discovery_ignores_partial_saves(tmp_path):
     assert not (tmp_path / "step_000004.tmp").exists()
 
 
+def test_resume_from_a_folder_without_a_complete_checkpoint_is_refused(tmp_path):
+    """``--resume DIR`` where DIR holds only partial saves (a killed .tmp, a folder without trainer state,
+    a pointer to it): one line naming DIR, never None (None starts a fresh run)."""
+    eng = FakeEngine()
+    eng.save_checkpoint(tmp_path, "step_000004.tmp", save_latest=False)
+    (tmp_path / "step_000005").mkdir()
+    (tmp_path / "latest").write_text("step_000005\n")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint in that folder") as info:
+        ckpt.resolve_resume(str(tmp_path), tmp_path / "unused")
+    assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
+    assert ckpt.resolve_resume("auto", tmp_path) is None  # auto: nothing to resume is a fresh start
+
+
 def test_crash_between_rename_and_pointer(tmp_path):
     eng = FakeEngine()
     _save(eng, tmp_path, 2)

@@ -73,9 +73,17 @@ def _bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         {"type": "text", "path": "data/default/shakespeare_train.txt", "weight": 0.0}]})
     empty = write_config(tmp, mixture, "empty.yaml")
     gone = tmp / "runs" / "does-not-exist" / "ckpt" / "step_000100"
+    partial = tmp / "runs" / "killed" / "ckpt"  # a save killed midway, a folder copied by hand, a stale pointer
+    (partial / "step_000004.tmp").mkdir(parents=True)
+    (partial / "step_000004.tmp" / "rank_00000.json").write_text("{}")
+    (partial / "step_000005").mkdir()
+    (partial / "latest").write_text("step_000005\n")
     return {
         "resume path missing": (["--config", str(lm), "--resume", str(gone)],
                                 f"error: --resume {gone}: folder does not exist"),
+        "resume folder without a complete checkpoint": (
+            ["--config", str(lm), "--resume", str(partial)],
+            f"error: --resume {partial}: no complete checkpoint in that folder"),
         "every dataset empty": (["--config", str(empty)],
                                 "error: config error: data: no records to draw from: every dataset with a weight "
                                 f"above 0 is an empty file (data.datasets[0].path {tmp / 'empty.txt'}, "
@@ -91,20 +99,23 @@ def _bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-@pytest.mark.parametrize("case", ["resume path missing", "every dataset empty", "data file missing", "bad override",
-                                  "bad model override"])
+@pytest.mark.parametrize("case", ["resume path missing", "resume folder without a complete checkpoint",
+                                  "every dataset empty", "data file missing", "bad override", "bad model override"])
 def test_bad_input_is_one_line_before_deepspeed_and_the_model(case, tmp_path, monkeypatch, capsys):
     """Exit 2 with one line, decided before DeepSpeed, the trainer or its callbacks are imported: with
     those modules made unimportable here, reaching them would be an ImportError, not the line
-    (issue 33: these errors came after DeepSpeed and, for the resume and data ones, the whole model)."""
+    (issue 33: these errors came after DeepSpeed and, for the resume and data ones, the whole model).
+    Nothing is trained or written: no file appears under the run's output folder."""
     from vlm.train import main
 
     argv, line = _bad_input_cases(tmp_path)[case]
     monkeypatch.chdir(REPO_ROOT)
     for name in ("deepspeed", "vlm.training.trainer", "vlm.training.callbacks.defaults"):
         monkeypatch.setitem(sys.modules, name, None)  # `import name` -> ImportError
+    before = sorted(tmp_path.rglob("*"))
     assert main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [line]
+    assert sorted(tmp_path.rglob("*")) == before  # no run folder, no checkpoint: nothing trained
 
 
 def _machine_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:

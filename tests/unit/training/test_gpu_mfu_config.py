@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scripts.gpu_mfu import is_steady, write_docs
 from _train_helpers import config, run_inprocess
@@ -61,3 +62,57 @@ def test_profile_window_writes_its_steps_and_top_ops(tmp_path):
     assert rec["steps"] == [2, 3] and rec["device"] == "cpu" and rec["gpu_idle_fraction"] is None
     assert rec["window_s"] > 0 and rec["top"] and all(t["ms_per_step"] > 0 for t in rec["top"])
     assert any("mm" in t["name"] for t in rec["top"])  # the step's matmuls are in the window
+
+
+def test_profile_window_holds_exactly_its_steps(tmp_path):
+    """``log.profile_steps: [2, 3]`` over steps 1..5 driven as ``Trainer.fit`` does (``on_step_start``
+    sees the step before it, ``on_step_end`` the step taken): the window holds the work of steps 2 and 3
+    and no other, one matmul per step. (The end-to-end test above reads back only the configured pair.)"""
+    rec, lines = _drive_profile_window(tmp_path, [2, 3], start=0, stop=5)
+    top = {t["name"]: t["calls_per_step"] for t in rec["top"]}
+    assert rec["steps"] == [2, 3] and len(lines) == 1, (rec["steps"], lines)
+    assert sorted(k for k in top if k.startswith("work_of_step_")) == ["work_of_step_2", "work_of_step_3"], top
+    assert top["aten::mm"] == 1.0, top
+
+
+def test_a_run_resumed_inside_the_window_profiles_the_rest_of_it(tmp_path):
+    """Resumed after step 2 with ``log.profile_steps: [2, 4]``: steps 3 and 4 are profiled and the record
+    says so; resumed after the window (step 5): no profile.json, and one line says why."""
+    rec, lines = _drive_profile_window(tmp_path, [2, 4], start=2, stop=6)
+    assert rec is not None, f"resumed inside the window, nothing profiled: {lines}"
+    top = {t["name"]: t["calls_per_step"] for t in rec["top"]}
+    assert rec["steps"] == [3, 4] and top["aten::mm"] == 1.0, (rec["steps"], top)
+    assert sorted(k for k in top if k.startswith("work_of_step_")) == ["work_of_step_3", "work_of_step_4"], top
+    assert lines[0].startswith("[train] profile of steps 3-4:"), lines
+    (tmp_path / "profile.json").unlink()
+    _, lines = _drive_profile_window(tmp_path, [2, 4], start=5, stop=6)
+    assert lines == [("[train] log.profile_steps [2, 4]: this run starts after step 5, past the window: "
+                      "nothing profiled")], lines
+    assert not (tmp_path / "profile.json").exists()
+
+
+def _drive_profile_window(tmp_path, steps, start: int, stop: int):
+    """``ProfileWindow`` driven as ``Trainer.fit`` does from step ``start`` to ``stop`` (``on_step_start``
+    sees the step before it, ``on_step_end`` the step taken), each step one recorded matmul. Returns the
+    profile.json record (None when none was written) and the logged lines."""
+    from types import SimpleNamespace
+
+    from torch.profiler import record_function
+
+    from vlm.training.callbacks.base import StepEnd
+    from vlm.training.callbacks.profile_window import ProfileWindow
+
+    lines = []
+    trainer = SimpleNamespace(cfg=SimpleNamespace(log=SimpleNamespace(profile_steps=steps)), is_main=True,
+                              device="cpu", run_dir=tmp_path, log_line=lines.append, step=start)
+    window, a = ProfileWindow(), torch.randn(8, 8)
+    window.on_fit_start(trainer)
+    for n in range(start + 1, stop + 1):
+        window.on_step_start(trainer)
+        with record_function(f"work_of_step_{n}"):
+            torch.mm(a, a)
+        trainer.step = n
+        window.on_step_end(trainer, StepEnd(step=n, skipped=False, last=n == stop))
+    window.close()
+    path = tmp_path / "profile.json"
+    return (json.loads(path.read_text()) if path.exists() else None), lines

@@ -52,11 +52,13 @@ def summarize_profile(prof, window_s: float, steps: tuple[int, int], cuda: bool)
 class ProfileWindow(Callback):
     """Profiles optimizer steps ``first..last`` (inclusive) of ``log.profile_steps`` on rank 0; no-op when
     unset. The window is timed between two device synchronizations, from before the first step reads its
-    data to the end of the last step (first in the callback list: before that step's logging or saving)."""
+    data to the end of the last step (first in the callback list: before that step's logging or saving).
+    A run resumed inside the window profiles the rest of it; one resumed past it says so in one line."""
 
     def __init__(self):
         self.prof = None
         self.t0 = 0.0
+        self.first = 0  # the first step profiled: the window's, or the step after a resume inside it
 
     def _range(self, trainer) -> tuple[int, int] | None:
         steps = trainer.cfg.log.profile_steps
@@ -75,9 +77,16 @@ class ProfileWindow(Callback):
         self.prof.start()
         self.t0 = time.perf_counter()
 
+    def on_fit_start(self, trainer) -> None:
+        r = self._range(trainer)
+        if r is not None and trainer.step >= r[1]:
+            trainer.log_line(f"[train] log.profile_steps [{r[0]}, {r[1]}]: this run starts after step "
+                             f"{trainer.step}, past the window: nothing profiled")
+
     def on_step_start(self, trainer) -> None:
         r = self._range(trainer)
-        if r is not None and self.prof is None and trainer.step + 1 == r[0]:
+        if r is not None and self.prof is None and r[0] <= trainer.step + 1 <= r[1]:
+            self.first = trainer.step + 1
             self._start(trainer)
 
     def on_step_end(self, trainer, step: StepEnd) -> None:
@@ -88,13 +97,14 @@ class ProfileWindow(Callback):
             self._sync(trainer)
             window_s = time.perf_counter() - self.t0
             self.prof.stop()
-            rec = summarize_profile(self.prof, window_s, (r[0], step.step), trainer.device == "cuda")
+            rec = summarize_profile(self.prof, window_s, (self.first, step.step), trainer.device == "cuda")
             self.prof = None
             path = trainer.run_dir / "profile.json"
             path.write_text(json.dumps(rec, indent=1))
             idle = rec["gpu_idle_fraction"]
             where = f"GPU idle {idle:.1%} of the window" if idle is not None else "no GPU (ops timed on the host)"
-            trainer.log_line(f"[train] profile of steps {r[0]}-{step.step}: {window_s / (step.step - r[0] + 1) * 1e3:.1f} "
+            trainer.log_line(f"[train] profile of steps {self.first}-{step.step}: "
+                             f"{window_s / (step.step - self.first + 1) * 1e3:.1f} "
                              f"ms/step, {where}; top: {rec['top'][0]['name'] if rec['top'] else '-'} -> {path}")
 
     def close(self) -> None:
