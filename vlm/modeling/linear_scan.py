@@ -56,9 +56,12 @@ def scan_torch_reverse(a_BM: torch.Tensor, x_BMD: torch.Tensor, block: int = BLO
     return scan_torch(a_rev, x_BMD.flip(1), block).flip(1)
 
 
+TRITON_ON_CPU = False  # tests: "auto" takes the Triton kernel on CPU tensors too (TRITON_INTERPRET=1, tests/_cuda_on_cpu.py)
+
+
 def triton_usable(t: torch.Tensor) -> bool:
-    """The Triton kernel runs on CUDA tensors when triton imports."""
-    return t.is_cuda and importlib.util.find_spec("triton") is not None
+    """The Triton kernel runs on CUDA tensors when triton imports (and on CPU tensors with ``TRITON_ON_CPU``)."""
+    return (t.is_cuda or (TRITON_ON_CPU and t.device.type == "cpu")) and importlib.util.find_spec("triton") is not None
 
 
 _told: set[str] = set()

@@ -7,7 +7,8 @@ token of one row with one segment id, in row order; every padding token is a doc
 (``attention.causal_mask``) allows, also for segment ids that are not contiguous in a row; a
 padding query there also sees the earlier valid keys of its segment (its output is unused).
 
-Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for tests):
+Three kernels, chosen per call (``doc_attention``; ``KERNEL`` forces one, for tests, or "cuda": the
+CUDA choice on any device, flash through a stand-in of ``varlen_attn`` on the CPU):
 
 * ``flash`` (CUDA, fp16 / bf16, head_dim % 8 == 0 and <= 256): ``torch.nn.attention.varlen
   .varlen_attn`` (FlashAttention-2 varlen, causal, GQA; ``features.varlen_call``) over the
@@ -47,8 +48,8 @@ LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest
 LOOP_SYNC = ("varlen: the loop kernel's document runs (the CPU's kernel; flash on CUDA reads nothing); once per stack "
              "and forward")
 
-KERNEL = "auto"  # "auto": flash where it applies, else loop on the CPU, else bucketed | "loop" | "bucketed"
-KERNELS = ("auto", "loop", "bucketed")
+KERNEL = "auto"  # "auto": flash where it applies, else loop on the CPU, else bucketed | "loop" | "bucketed" | "cuda"
+KERNELS = ("auto", "loop", "bucketed", "cuda")  # "cuda": auto's choice on CUDA, on any device (tests/_cuda_on_cpu.py)
 
 
 @dataclass
@@ -211,10 +212,11 @@ def flash_applies(q_BHTD: torch.Tensor) -> bool:
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """The kernel ``doc_attention`` runs for queries of this device, dtype and head size."""
-    if (KERNEL == "auto" and device.type == "cuda" and varlen_api() is not None
+    cuda = device.type == "cuda" or KERNEL == "cuda"
+    if (KERNEL in ("auto", "cuda") and cuda and varlen_api() is not None
             and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256):
         return "flash"
-    return "loop" if KERNEL == "loop" or (KERNEL == "auto" and device.type != "cuda") else "bucketed"
+    return "loop" if KERNEL == "loop" or (KERNEL == "auto" and not cuda) else "bucketed"
 
 
 def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
@@ -229,11 +231,10 @@ def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
         raise ValueError("varlen KERNEL='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
     if flash_applies(q_BHTD):
         return _flash(q_BHTD, k_BHTD, v_BHTD, layout)
-    if KERNEL == "auto" and torch.compiler.is_compiling():
+    if KERNEL in ("auto", "cuda") and torch.compiler.is_compiling():
         return _masked(q_BHTD, k_BHTD, v_BHTD, layout)
-    if KERNEL == "loop" or (KERNEL == "auto" and not q_BHTD.is_cuda):
-        return _loop(q_BHTD, k_BHTD, v_BHTD, layout)
-    return _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
+    return _loop(q_BHTD, k_BHTD, v_BHTD, layout) if kernel_for(q_BHTD.device, q_BHTD.dtype, D) == "loop" else \
+        _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
 
 
 def _flat(x_BHTD: torch.Tensor) -> torch.Tensor:  # [N, heads * D], row-major tokens (a copy)
