@@ -58,6 +58,10 @@ def flash_standin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return
     if tuple(window_size) not in ((-1, -1), (-1, 0)):
         raise NotImplementedError(f"flash_standin: window_size {window_size}")
     N = query.shape[0]
+    len_D = cu_seq_q.diff()
+    # what flash assumes and does not check (it would read past or leave rows unwritten): on the device, no host read
+    torch._assert_async((cu_seq_q[0] == 0) & (cu_seq_q[-1] == N) & (len_D >= 0).all() & (len_D <= max_q).all(),
+                        "flash varlen: cu_seq must run from 0 to the token count, no document longer than max_q")
     slot_N = torch.arange(N, device=query.device, dtype=torch.int32)
     doc_N = torch.searchsorted(cu_seq_q, slot_N, right=True)
     mask_NN = doc_N[:, None] == doc_N[None, :]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import sys
 from collections import Counter
 
 import pytest
@@ -67,7 +68,21 @@ def test_standin_has_torchs_signature_and_attention():
         torch.testing.assert_close(got.float(), want, **BF16)
 
 
-@pytest.mark.parametrize("bad", ["fp32", "int64 cu_seq", "tensor max_len", "strided", "heads"])
+def test_the_seams_take_cudas_branches_on_the_cpu():
+    """``varlen.KERNEL = "cuda"``: flash in bf16 (head_dim a multiple of 8), CUDA's bucketed kernel in fp32,
+    where "auto" takes the loop kernel on the CPU; ``linear_scan.TRITON_ON_CPU``: the Triton scan for a CPU
+    tensor, which "auto" leaves to the torch scan."""
+    from vlm.modeling import linear_scan
+    cpu = torch.device("cpu")
+    assert varlen.kernel_for(cpu, torch.bfloat16, 16) == "loop" and not linear_scan.triton_usable(torch.zeros(1))
+    with cuda_branches(triton=False), pytest.MonkeyPatch.context() as mp:
+        assert [varlen.kernel_for(cpu, dt, d) for dt, d in ((torch.bfloat16, 16), (torch.float32, 16),
+                                                             (torch.bfloat16, 12))] == ["flash", "bucketed", "bucketed"]
+        mp.setattr(linear_scan, "TRITON_ON_CPU", True)
+        assert linear_scan.triton_usable(torch.zeros(1))
+
+
+@pytest.mark.parametrize("bad", ["fp32", "int64 cu_seq", "tensor max_len", "strided", "heads", "max_len short"])
 def test_standin_refuses_what_flash_refuses(bad):
     q, k, v = _qkv(8)
     cu, n = torch.tensor([0, 3, 8], dtype=torch.int32), 5
@@ -80,8 +95,10 @@ def test_standin_refuses_what_flash_refuses(bad):
         n = torch.tensor(5)
     elif bad == "strided":
         q = torch.randn(8, 4, 32).bfloat16()[..., ::2]
-    else:
+    elif bad == "heads":
         kw["enable_gqa"] = False
+    else:
+        n = 4
     with pytest.raises((RuntimeError, TypeError, ValueError)):
         flash_standin(q, k, v, cu, cu, n, n, **kw)
     flash_standin(*_qkv(8), torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 8], dtype=torch.int32),
@@ -156,11 +173,14 @@ def test_packed_training_step_reads_nothing_on_the_cuda_branches():
     batch = _packed()
     layout = host_layout(batch)
     model = _bf16_model()
-    with cuda_branches():
+    with cuda_branches(), pytest.MonkeyPatch.context() as mp:
         model(**batch, doc_layout=layout).loss.backward()  # warm-up (one-time probes)
+        kernel, scans = sys.modules["vlm.modeling.linear_scan_triton"], []
+        mp.setattr(kernel, "scan", lambda *a, _scan=kernel.scan, **k: scans.append(1) or _scan(*a, **k))
         with HostReads() as hr, syncs.counting() as named:
             model(**batch, doc_layout=layout).loss.backward()
     assert named == Counter() and hr.reads == [], (named, hr.reads)
+    assert len(scans) == 2  # the EMA forward and backward on the Triton kernels
 
 
 # the captured decode --------------------------------------------------------------------------------
