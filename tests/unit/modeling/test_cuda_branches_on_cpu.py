@@ -148,6 +148,23 @@ def test_compiled_blocks_train_equal_eager_on_the_cuda_branches(monkeypatch):
         assert (g.float() - w.float()).norm() <= 2e-2 * w.float().norm(), i
 
 
+def test_flash_path_reuses_the_block_graphs_over_packings():
+    """Six packings of other lengths (and longest documents: ``max_len``, a host int handed to flash) on the
+    CUDA branches: every block graph is made in the first two steps, none after (Dynamo only)."""
+    from torch._dynamo.testing import CompileCounter
+    from test_compile_blocks import packed_batch
+    model = _bf16_model()
+    counter = CompileCounter()
+    compile_blocks(model, dtype=torch.bfloat16, backend=counter)
+    frames = []
+    with cuda_branches(triton=False):
+        for step in range(6):
+            batch = packed_batch(20 + 3 * step, seed=step)
+            model(**batch, doc_layout=host_layout(batch)).loss.backward()
+            frames.append(counter.frame_count)
+    assert frames[1] > 0 and frames[-1] == frames[1], frames
+
+
 def test_flash_path_logs_its_api_once(caplog, monkeypatch):
     """The varlen API line: once per process in an eager run (two steps), and once in a compiled run
     (said before the trace: a log call cannot be traced)."""
