@@ -140,6 +140,28 @@ class _CaptureMode(HostReadMode):
         if func.overloadpacket.__name__ in self.GROUPED and self._fp32:
             raise CaptureError(f"capture: {func.overloadpacket.__name__} in fp32 (CUDA: the split fallback)")
 
+    def __enter__(self):
+        """Also a copy to the host (``.cpu()``, ``.numpy()``, ``.to("cpu")``): on the CPU a no-op that never
+        reaches the dispatcher, on CUDA a device-to-host sync."""
+        self._saved = {n: getattr(torch.Tensor, n) for n in ("cpu", "numpy", "to")}
+
+        def refuse(name):
+            def call(t, *a, **k):
+                raise CaptureError(f"capture: host copy .{name}()")
+            return call
+
+        def to(t, *a, _to=self._saved["to"], **k):
+            if any(isinstance(x, (str, torch.device)) and torch.device(x).type == "cpu" for x in (*a, k.get("device"))):
+                raise CaptureError("capture: host copy .to('cpu')")
+            return _to(t, *a, **k)
+        torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.to = refuse("cpu"), refuse("numpy"), to
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch.Tensor, n, f)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._fp32 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[:2])
         return super().__torch_dispatch__(func, types, args, kwargs)

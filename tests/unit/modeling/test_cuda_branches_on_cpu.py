@@ -247,11 +247,11 @@ def test_captured_decode_keeps_the_capture_rules(beams, monkeypatch):
     assert torch.equal(got, want) and CaptureRules.captures == 3
 
 
-@pytest.mark.parametrize("broken", ["fp32", "host read", "replaced buffer"])
+@pytest.mark.parametrize("broken", ["fp32", "host read", "host copy", "replaced buffer"])
 def test_capture_rules_fail_a_step_that_breaks_them(broken, monkeypatch):
     """Each rule fails the capture of a step that breaks it: the fp32 model (its grouped GEMM in fp32: on
-    CUDA the split fallback and its host read), a ``.item()`` planted in the decoder phase, and the
-    decoder phase's output buffer replaced by a new tensor."""
+    CUDA the split fallback and its host read), a ``.item()`` planted in the decoder phase, the
+    decoder phase's output buffer replaced by a new tensor; a ``.cpu()`` too (on the CPU a no-op)."""
     model = decisive(randomise_joint(build_model("tiny_concept")), 3)
     if broken != "fp32":
         model = model.to(torch.bfloat16)
@@ -261,10 +261,13 @@ def test_capture_rules_fail_a_step_that_breaks_them(broken, monkeypatch):
         graph(m, state, io)
         if broken == "host read":
             io["out"].sum().item()
+        elif broken == "host copy":
+            io["out"].cpu()
         else:
             io["out"] = io["out"].clone()
     if broken != "fp32":
         monkeypatch.setattr(decode_graph, "decoder_graph", planted)
-    match = {"fp32": "grouped_mm in fp32", "host read": "host read", "replaced buffer": "replaced"}[broken]
+    match = {"fp32": "grouped_mm in fp32", "host read": "host read", "host copy": r"host copy \.cpu",
+             "replaced buffer": "replaced"}[broken]
     with pytest.raises(CaptureError, match=match):
         _cudagraph_generate(model, monkeypatch)
