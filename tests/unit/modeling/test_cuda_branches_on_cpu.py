@@ -22,16 +22,21 @@ from collections import Counter
 
 import pytest
 import torch
+from _cuda_on_cpu import (
+    CaptureError,
+    CaptureRules,
+    cuda_branches,
+    flash_standin,
+    host_layout,
+)
+from conftest import build_model, decisive, left_padded, randomise_joint
+from test_host_layout import _packed
+from test_host_syncs import HostReads
 
 from vlm.modeling import decode_graph, features, generation, syncs, varlen
 from vlm.modeling.cache import ConceptCache
 from vlm.modeling.hf_features import generation_cache_key
 from vlm.training.compile import compile_blocks
-
-from _cuda_on_cpu import CaptureError, CaptureRules, cuda_branches, flash_standin, host_layout
-from conftest import build_model, decisive, left_padded, randomise_joint
-from test_host_layout import _packed
-from test_host_syncs import HostReads
 
 BF16 = {"atol": 2e-2, "rtol": 2e-2}  # one computation in bf16 against another (summation order differs)
 
@@ -103,7 +108,7 @@ def test_standin_refuses_what_flash_refuses(bad):
     with pytest.raises((RuntimeError, TypeError, ValueError)):
         flash_standin(q, k, v, cu, cu, n, n, **kw)
     flash_standin(*_qkv(8), torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 8], dtype=torch.int32),
-                  5, 5, **{"window_size": (-1, 0), "enable_gqa": True})  # the good call passes
+                  5, 5, window_size=(-1, 0), enable_gqa=True)  # the good call passes
 
 
 def _bf16_model():
@@ -156,6 +161,7 @@ def test_cuda_branches_train_the_cpu_branches_model(T):
     concept count read, the torch scan): the same loss and gradients, to bf16 rounding (5% of each
     gradient's norm; measured <= 1.8%)."""
     from test_compile_blocks import packed_batch
+
     from vlm.modeling import conceptmoe
     batch = _packed() if T == 24 else packed_batch(T, seed=5)
     layout = host_layout(batch)
@@ -174,8 +180,8 @@ def test_cuda_branches_train_the_cpu_branches_model(T):
 def test_flash_path_reuses_the_block_graphs_over_packings():
     """Six packings of other lengths (and longest documents: ``max_len``, a host int handed to flash) on the
     CUDA branches: every block graph is made in the first two steps, none after (Dynamo only)."""
-    from torch._dynamo.testing import CompileCounter
     from test_compile_blocks import packed_batch
+    from torch._dynamo.testing import CompileCounter
     model = _bf16_model()
     counter = CompileCounter()
     compile_blocks(model, dtype=torch.bfloat16, backend=counter)
