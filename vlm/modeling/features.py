@@ -29,6 +29,10 @@ _logged: set[str] = set()
 
 
 def _say(key: str, line: str) -> None:
+    """Logs ``line`` once per process; nothing while Dynamo traces (a logger call there stops a fullgraph
+    trace: say it before, as ``say_varlen`` in train.compile's prelude)."""
+    if torch.compiler.is_compiling():
+        return
     if key not in _logged:
         _logged.add(key)
         log.info("features: %s", line)
@@ -45,9 +49,20 @@ class VarlenAPI:
         return f"varlen_attn({causal}), {gqa}"
 
 
-@functools.cache
+_VARLEN: list = []  # varlen_api's answer once probed: a traced call reads it (Dynamo would trace a cache wrapper's body)
+
+
 def varlen_api() -> VarlenAPI | None:
-    """How to call ``torch.nn.attention.varlen.varlen_attn`` causally here; None: it is missing."""
+    """How to call ``torch.nn.attention.varlen.varlen_attn`` causally here; None: it is missing (probed once)."""
+    if not _VARLEN:
+        _VARLEN.append(_probe_varlen_api())
+    return _VARLEN[0]
+
+
+varlen_api.cache_clear = _VARLEN.clear  # (tests: probe again, e.g. after replacing varlen_attn)
+
+
+def _probe_varlen_api() -> VarlenAPI | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -62,11 +77,17 @@ def varlen_api() -> VarlenAPI | None:
     return VarlenAPI(causal, "enable_gqa" in params)
 
 
+def say_varlen() -> None:
+    """The flash path's log line (once per process): at its first eager call, or before a compiled one."""
+    if not torch.compiler.is_compiling():
+        _say("varlen", varlen_api().describe())
+
+
 def varlen_call(q_NHD, k_NHD, v_NHD, cu_seq, max_len: int):
     """Causal varlen attention over documents ``cu_seq`` with the API this torch has."""
     from torch.nn.attention.varlen import varlen_attn
     api = varlen_api()
-    _say("varlen", api.describe())
+    say_varlen()
     if api.native_gqa:
         return varlen_attn(q_NHD, k_NHD, v_NHD, cu_seq, cu_seq, max_len, max_len, enable_gqa=True,
                            **api.causal_kwargs)

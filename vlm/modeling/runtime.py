@@ -15,7 +15,7 @@ from .config_base import NonNegInt, Section, build, check, error_from
 from .verdicts import proven
 
 CAPACITIES = ("auto", "tokens", "exact")
-VARLEN_KERNELS = ("auto", "loop", "bucketed")
+VARLEN_KERNELS = ("auto", "loop", "bucketed", "cuda")
 ATTENTION_IMPLS = ("varlen", "dense")
 SCAN_IMPLS = ("auto", "torch", "triton")
 
@@ -31,7 +31,8 @@ class RuntimeOptions(Section):
     # GPU check marked it correct and faster (verdict ``capacity_tokens``), else "exact"
     capacity: Literal[CAPACITIES] = "auto"
     # the document-attention kernel (varlen.py): "auto" = flash where it applies, else loop on the CPU,
-    # else bucketed; "loop" (CPU only) / "bucketed" force one
+    # else bucketed; "loop" (CPU only) / "bucketed" force one; "cuda": auto's choice on CUDA, on any device
+    # (flash through a stand-in of varlen_attn on the CPU: the CPU harness of the CUDA branches)
     varlen_kernel: Literal[VARLEN_KERNELS] = "auto"
     # packed / padded rows: "varlen" = per-document kernels, "dense" = the T x T reference mask
     attention: Literal[ATTENTION_IMPLS] = "varlen"

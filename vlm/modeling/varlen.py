@@ -8,7 +8,8 @@ token of one row with one segment id, in row order; every padding token is a doc
 padding query there also sees the earlier valid keys of its segment (its output is unused).
 
 Three kernels, chosen per call (``doc_attention``; its ``kernel`` argument, the model's
-``runtime.varlen_kernel``, forces one):
+``runtime.varlen_kernel``, forces one, or "cuda": the CUDA choice on any device, flash through a
+stand-in of ``varlen_attn`` on the CPU: tests/_cuda_on_cpu.py):
 
 * ``flash`` (CUDA, fp16 / bf16, head_dim % 8 == 0 and <= 256): ``torch.nn.attention.varlen
   .varlen_attn`` (FlashAttention-2 varlen, causal, GQA; ``features.varlen_call``) over the
@@ -48,7 +49,7 @@ LAYOUT_SYNC = ("varlen: the document starts and lengths (cu_seqlens, the longest
 LOOP_SYNC = ("varlen: the loop kernel's document runs (the CPU's kernel; flash on CUDA reads nothing); once per stack "
              "and forward")
 
-KERNELS = ("auto", "loop", "bucketed")  # "auto": flash where it applies, else loop on the CPU, else bucketed
+KERNELS = ("auto", "loop", "bucketed", "cuda")  # "auto": flash where it applies, else loop on the CPU, else bucketed
 
 
 @dataclass
@@ -211,11 +212,12 @@ def flash_applies(q_BHTD: torch.Tensor, kernel: str = "auto") -> bool:
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, kernel: str = "auto") -> str:
     """The kernel ``doc_attention`` runs for queries of this device, dtype and head size under the
-    choice ``kernel`` (``KERNELS``)."""
-    if (kernel == "auto" and device.type == "cuda" and varlen_api() is not None
+    choice ``kernel`` (``KERNELS``; "cuda": auto's choice on CUDA, on any device)."""
+    cuda = device.type == "cuda" or kernel == "cuda"
+    if (kernel in ("auto", "cuda") and cuda and varlen_api() is not None
             and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256):
         return "flash"
-    return "loop" if kernel == "loop" or (kernel == "auto" and device.type != "cuda") else "bucketed"
+    return "loop" if kernel == "loop" or (kernel == "auto" and not cuda) else "bucketed"
 
 
 def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
@@ -231,11 +233,10 @@ def doc_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tens
         raise ValueError("runtime.varlen_kernel='loop' runs torch's CPU flash kernel: on CUDA use 'auto' or 'bucketed'")
     if flash_applies(q_BHTD, kernel):
         return _flash(q_BHTD, k_BHTD, v_BHTD, layout)
-    if kernel == "auto" and torch.compiler.is_compiling():
+    if kernel in ("auto", "cuda") and torch.compiler.is_compiling():
         return _masked(q_BHTD, k_BHTD, v_BHTD, layout)
-    if kernel == "loop" or (kernel == "auto" and not q_BHTD.is_cuda):
-        return _loop(q_BHTD, k_BHTD, v_BHTD, layout)
-    return _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
+    return _loop(q_BHTD, k_BHTD, v_BHTD, layout) if kernel_for(q_BHTD.device, q_BHTD.dtype, D, kernel) == "loop" \
+        else _bucketed(q_BHTD, k_BHTD, v_BHTD, layout)
 
 
 def _flat(x_BHTD: torch.Tensor) -> torch.Tensor:  # [N, heads * D], row-major tokens (a copy)

@@ -19,8 +19,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from vlm.modeling.blocks import TransformerBlock
-from vlm.modeling.features import grouped_mm_ok
+from vlm.modeling.features import grouped_mm_ok, say_varlen
 from vlm.modeling.grouped_mm import META_TRACEABLE
+from vlm.modeling.varlen import DocLayout, kernel_for
 
 
 def grouped_mm_traceable(dtype: torch.dtype) -> bool:
@@ -41,13 +42,17 @@ def mark_token_dim_dynamic(args: tuple, kwargs: dict) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
-def _eager_prelude(compiled):
-    """Runs before each compiled call, outside the trace: the token dimension marked dynamic, and the
+def _eager_prelude(compiled, block: TransformerBlock):
+    """Runs before each compiled call, outside the trace: the token dimension marked dynamic, the
     one-time ``grouped_mm_ok`` probe of the block's device and dtype (a real GEMM, which a trace
-    cannot run; inside, the cached answer is a constant)."""
+    cannot run; inside, the cached answer is a constant), and the flash path's log line (a logger call
+    cannot be traced) when the block attends a document layout with it."""
     def call(*args, **kwargs):
         x_BTD = args[0] if args else kwargs["x_BTD"]
         grouped_mm_ok(x_BTD.device.type, x_BTD.dtype)
+        if (isinstance(kwargs.get("mask"), DocLayout)
+                and kernel_for(x_BTD.device, x_BTD.dtype, block.attn.head_dim, block.attn.varlen_kernel) == "flash"):
+            say_varlen()
         mark_token_dim_dynamic(args, kwargs)
         return compiled(*args, **kwargs)
     return call
@@ -61,5 +66,5 @@ def compile_blocks(model: nn.Module, dtype: torch.dtype = torch.float32, backend
     for block in blocks:
         block.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
         # Module.__call__ calls _compiled_call_impl: the prelude runs there, before the trace
-        block._compiled_call_impl = _eager_prelude(block._compiled_call_impl)
+        block._compiled_call_impl = _eager_prelude(block._compiled_call_impl, block)
     return len(blocks)
