@@ -4,8 +4,10 @@
 cache: a shape that changes with each token. ``StaticStep`` runs the same phases on caches in static
 mode (``KVCache.static``: each row writes at its ``len_B``, a step attends every slot of the capacity
 under the ``valid_BC`` mask, as transformers' ``StaticCache``) and keeps every tensor the step reads or
-writes at one address for the life of the state: the state fields a phase reassigns and the phases'
-results are copied into buffers. Each phase is then one graph of fixed shapes that a CUDA graph replays:
+writes at one address for the life of the step, which the model keeps across ``generate`` calls
+(``DecodeGraphs``, decode_pool.py: one step per batch size and capacity bucket): the state fields a
+phase reassigns and the phases' results are copied into buffers. Each phase is then one graph of fixed
+shapes that a CUDA graph replays:
 
 - ``"static"``: the fixed-shape phases, eager (the reference of ``"compiled"``; any device);
 - ``"compiled"``: each phase under ``torch.compile(fullgraph=True)``: on CUDA ``mode="reduce-overhead"``
@@ -18,9 +20,10 @@ results are copied into buffers. Each phase is then one graph of fixed shapes th
 
 The plain MoE's step is one graph. The ConceptMoE's is three (token phase, concept phase, decoder
 phase): the boundary read between the first two (the step's one host read) chooses whether the
-concept graph runs. Why the whole capacity rather than length buckets: ``generate`` sizes the token
-caches to prompt + new tokens, so a step attends at most ``max_new_tokens`` slots more than the
-eager one, with one graph per phase and nothing to recapture as the sequence grows. A concept cache
+concept graph runs. Why the whole capacity rather than length buckets: the token caches hold
+``capacity_bucket(prompt + new tokens)`` slots (the next power of two, at least 64), so a step attends
+at most twice the slots of the longest sequence, with one graph per phase, nothing to recapture as the
+sequence grows and nothing to compile or capture for a later call in the same bucket. A concept cache
 that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concept graph recompiles
 (torch.compile's shape guards) and the new buffers are marked static again.
 """
