@@ -128,7 +128,8 @@ def test_cuda_graphs_refuse_fp32_on_cuda(decode):
 
 
 def _forced(model, decode: str, ids, am, tokens_BN):
-    """Logits [B, N + 1, V] (fp32) of prefill + steps fed ``tokens_BN`` (teacher-forced)."""
+    """Logits [B, N + 1, V] (fp32) of prefill + steps fed ``tokens_BN`` (teacher-forced: the modes'
+    logits compared on the same inputs, also after a step where their tokens differ)."""
     B, N = tokens_BN.shape
     with torch.no_grad():
         state = model.start_decoding(B, ids.shape[1] + N + 1, decode=decode)
@@ -153,9 +154,9 @@ def test_bf16_modes_differ_by_rounding_only(preset):
     so a greedy token can differ only where the eager top-2 logits are that close (a near-tie)."""
     model = _model(preset)
     ids, am = dev(*left_padded(B=3, T=12, pad=4))
-    tokens = torch.randint(1, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(3))
-    tokens = dev(tokens)
-    ref = _forced(model.to(torch.bfloat16).float(), "eager", ids, am, tokens)  # fp32 on the bf16 weights
+    model.to(torch.bfloat16)
+    tokens = model.generate(ids, attention_mask=am, max_new_tokens=24, do_sample=False)[:, 12:]  # eager greedy
+    ref = _forced(model.float(), "eager", ids, am, tokens)  # fp32 on the bf16 weights
     model.to(torch.bfloat16)
     eager, static = (_forced(model, m, ids, am, tokens) for m in ("eager", "static"))
     bf16_error = (eager - ref).norm()
