@@ -21,8 +21,8 @@ shapes that a CUDA graph replays:
 The plain MoE's step is one graph. The ConceptMoE's is three (token phase, concept phase, decoder
 phase): the boundary read between the first two (the step's one host read) chooses whether the
 concept graph runs. Why the whole capacity rather than length buckets: the token caches hold
-``capacity_bucket(prompt + new tokens)`` slots (the next power of two, at least 64), so a step attends
-at most twice the slots of the longest sequence, with one graph per phase, nothing to recapture as the
+``capacity_bucket(prompt + new tokens)`` slots (at least 64, rounded up to an eighth of its power of
+two), so a step attends at most 1/8 more slots than the longest sequence needs, with one graph per phase, nothing to recapture as the
 sequence grows and nothing to compile or capture for a later call in the same bucket. A concept cache
 that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concept graph recompiles
 (torch.compile's shape guards) and the new buffers are marked static again.
@@ -33,12 +33,13 @@ import copy
 import dataclasses
 import functools
 import logging
+import weakref
 
 import torch
 
 from .chunking import ChunkCarry
 from .conceptmoe import ConceptMoEModel
-from .decode_pool import DecodeGraphs, capacity_bucket, detach, fill_slots, owner_ref, share
+from .decode_pool import DecodeGraphs, capacity_bucket, detach, fill_slots, share
 from .generation import (
     DecodeState,
     boundary_read,
@@ -131,7 +132,7 @@ class StaticStep:
             if buf is not t:
                 buf.copy_(t)
         share(state, slot)
-        state.runner, self.owner = self, owner_ref(state)
+        state.runner, self.owner = self, weakref.ref(state)
 
     @torch.no_grad()
     def __call__(self, input_ids_B1: torch.Tensor) -> torch.Tensor:

@@ -11,17 +11,21 @@ Freed by ``release`` (``model.release_decode_graphs()``, and any move or dtype c
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 
-CAPACITY_MIN = 64  # the smallest capacity bucket (token slots); buckets are powers of two from here
+CAPACITY_MIN = 64  # the smallest capacity bucket (token slots)
+BUCKETS_PER_OCTAVE = 8  # buckets between two powers of two: at most 1/8 more slots attended than needed
 
 
 def capacity_bucket(capacity: int) -> int:
-    """Token slots allocated for ``capacity``: the next power of two, at least ``CAPACITY_MIN``, so that
-    prompts and ``max_new_tokens`` that differ a little share one step (at most 2x the slots attended)."""
-    return max(CAPACITY_MIN, 1 << max(0, int(capacity) - 1).bit_length())
+    """Token slots allocated for ``capacity``: at least ``CAPACITY_MIN``, rounded up to a multiple of
+    1 / ``BUCKETS_PER_OCTAVE`` of the power of two below it (e.g. 25 -> 64, 100 -> 104, 8242 -> 9216), so
+    prompts and ``max_new_tokens`` that differ a little share one step while a step attends at most
+    1 / 8 more slots than the longest sequence needs."""
+    n = max(int(capacity), CAPACITY_MIN)
+    grain = max(1, (1 << (n.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    return -(-n // grain) * grain
 
 
 class DecodeGraphs:
@@ -93,7 +97,3 @@ def fill_slots(buf: torch.Tensor, t: torch.Tensor, dim: int) -> None:
     """``t`` copied into the first slots of ``buf`` along ``dim`` (the capacity); the rest left as is
     (the caller invalidates them)."""
     buf.narrow(dim, 0, t.shape[dim]).copy_(t)
-
-
-def owner_ref(state):
-    return weakref.ref(state)

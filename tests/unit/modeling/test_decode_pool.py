@@ -164,3 +164,12 @@ def test_bf16_modes_differ_by_rounding_only(preset):
     top2 = eager.topk(2, -1).values
     differ = static.argmax(-1) != eager.argmax(-1)
     assert ((top2[..., 0] - top2[..., 1])[differ] <= 2 * (eager - ref).abs().amax()).all()
+
+
+def test_capacity_buckets_hold_the_capacity_with_bounded_waste():
+    """Every capacity fits its bucket, which holds at most 1/8 more slots (64 at least); buckets grow
+    with the capacity and are few (a handful per power of two)."""
+    caps = range(1, 5000)
+    buckets = [capacity_bucket(n) for n in caps]
+    assert all(n <= b <= max(64, n * 9 / 8) for n, b in zip(caps, buckets))
+    assert buckets == sorted(buckets) and len(set(buckets)) <= 8 * 7 + 1
