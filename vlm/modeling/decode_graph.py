@@ -166,7 +166,15 @@ class StaticStep:
     def _run(self, graph) -> None:
         if self.slot.decode == "cudagraph":
             return self._replay(graph)
-        (compiled_graph(graph, self.cuda) if self.compiled else graph)(self.model, self.slot, self.io)
+        if not self.compiled:
+            return graph(self.model, self.slot, self.io)
+        try:
+            compiled_graph(graph, self.cuda)(self.model, self.slot, self.io)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:  # (fullgraph: dynamo fails, never runs eager)
+            raise RuntimeError(f"decode='compiled': torch.compile's recompile limit "
+                               f"({torch._dynamo.config.recompile_limit}) reached for {graph.__name__} (one version "
+                               "per batch size and capacity bucket kept): call model.release_decode_graphs() "
+                               "and torch._dynamo.reset(), or raise torch._dynamo.config.recompile_limit") from e
 
     def _replay(self, graph) -> None:
         """"cudagraph": warm up (eager, side stream), then capture, then replay (module docstring)."""
