@@ -22,8 +22,9 @@ The plain MoE's step is one graph. The ConceptMoE's is three (token phase, conce
 phase): the boundary read between the first two (the step's one host read) chooses whether the
 concept graph runs. Why the whole capacity rather than length buckets: the token caches hold
 ``capacity_bucket(prompt + new tokens)`` slots (at least 64, rounded up to an eighth of its power of
-two), so a step attends at most 1/8 more slots than the longest sequence needs, with one graph per phase, nothing to recapture as the
-sequence grows and nothing to compile or capture for a later call in the same bucket. A concept cache
+two), so a step attends at most 1/8 more slots than the longest sequence needs, with one graph per
+phase, nothing to recapture as the sequence grows and nothing to compile or capture for a later call
+in the same bucket. A concept cache
 that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concept graph recompiles
 (torch.compile's shape guards) and the new buffers are marked static again.
 """

@@ -120,7 +120,8 @@ def test_cuda_graphs_refuse_fp32_on_cuda(decode):
     line naming the dtype and what to use, before any allocation (before: accepted, and the capture
     failed on the host copy). fp32 stays allowed where nothing is captured."""
     model = build_model("tiny").model
-    with pytest.raises(ValueError, match=rf"decode='{decode}' on CUDA .* float32 grouped GEMM .* model.to\(torch.bfloat16\)"):
+    line = rf"decode='{decode}' on CUDA .* float32 grouped GEMM .* model.to\(torch.bfloat16\)"
+    with pytest.raises(ValueError, match=line):
         generation.DecodeState.allocate(model, 1, 8, "cuda", torch.float32, decode=decode)
     assert generation.check_decode(decode, torch.device("cuda"), torch.bfloat16) == decode
     assert generation.check_decode("static", torch.device("cuda"), torch.float32) == "static"
@@ -184,3 +185,19 @@ def test_recompile_limit_is_one_line(counter, monkeypatch):
     model.generate(ids, decode="compiled", **kw)
     with pytest.raises(RuntimeError, match=r"recompile limit \(1\) reached for whole_graph .*release_decode_graphs"):
         model.generate(ids[:1], decode="compiled", **dict(kw, attention_mask=kw["attention_mask"][:1]))
+
+
+def test_vlm_second_call_reuses_the_step_and_releases():
+    """The VLM (a modality carry, image features in the prefill): a second call with another
+    ``max_new_tokens`` decodes on the kept step and equals eager; the VLM's ``release_decode_graphs``
+    frees it."""
+    from test_vlm_model import build, sample_batch
+    model = dev(build())
+    ids, mask, pixels = dev(sample_batch(model.num_image_tokens))
+    for n in (4, 9):
+        want = model.generate(ids, pixels, mask, max_new_tokens=n)
+        assert torch.equal(model.generate(ids, pixels, mask, max_new_tokens=n, decode="static"), want), n
+    graphs = model.language_model.model._decode_graphs
+    assert len(graphs.steps) == 1
+    model.release_decode_graphs()
+    assert not graphs.steps
