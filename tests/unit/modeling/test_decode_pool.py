@@ -176,15 +176,15 @@ def test_capacity_buckets_hold_the_capacity_with_bounded_waste():
     assert buckets == sorted(buckets) and len(set(buckets)) <= 8 * 7 + 1
 
 
-def test_recompile_limit_is_one_line(counter, monkeypatch):
+def test_recompile_limit_is_one_line(counter):
     """More kept versions than torch.compile's recompile limit: one error naming the way out, never an
     eager fallback (fullgraph)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = _model("tiny")
     (ids, kw), _ = _calls()
-    model.generate(ids, decode="compiled", **kw)
-    with pytest.raises(RuntimeError, match=r"recompile limit \(1\) reached for whole_graph .*release_decode_graphs"):
-        model.generate(ids[:1], decode="compiled", **dict(kw, attention_mask=kw["attention_mask"][:1]))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        model.generate(ids, decode="compiled", **kw)
+        with pytest.raises(RuntimeError, match=r"recompile limit \(1\) reached for whole_graph .*release_decode_graphs"):
+            model.generate(ids[:1], decode="compiled", **dict(kw, attention_mask=kw["attention_mask"][:1]))
 
 
 def test_vlm_second_call_reuses_the_step_and_releases():
