@@ -183,7 +183,8 @@ def test_recompile_limit_is_one_line(counter):
     (ids, kw), _ = _calls()
     with torch._dynamo.config.patch(recompile_limit=1):
         model.generate(ids, decode="compiled", **kw)
-        with pytest.raises(RuntimeError, match=r"recompile limit \(1\) reached for whole_graph .*release_decode_graphs"):
+        line = r"recompile limit \(1\) reached for whole_graph .*release_decode_graphs"
+        with pytest.raises(RuntimeError, match=line):
             model.generate(ids[:1], decode="compiled", **dict(kw, attention_mask=kw["attention_mask"][:1]))
 
 
