@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import KVCache
+from .decode_pool import detach
 from .generation import DecodeState, check_decode
 
 
@@ -40,11 +41,11 @@ def _select(value, index_B: torch.Tensor, in_place: bool):
 def select_rows(state: DecodeState, index_B: torch.Tensor) -> DecodeState:
     """Rows ``index_B`` of every tensor of ``state`` (in place; also returned): beam reordering, or
     ``repeat_interleave`` with a repeated index. A state with a fixed-shape step (``state.runner``,
-    decode_graph.py) keeps its buffers: beam reordering copies into them; another batch size drops
-    the step (rebuilt on the new tensors at the next token)."""
+    decode_graph.py) keeps its buffers: beam reordering copies into them; another batch size detaches
+    the state from the step (it adopts the step of its new key at the next token)."""
     in_place = state.runner is not None and index_B.shape[0] == state.next_pos_B.shape[0]
     if state.runner is not None and not in_place:
-        state.runner = None
+        detach(state)  # (copies of the step's buffers first: those stay the step's)
     for f in dataclasses.fields(state):
         setattr(state, f.name, _select(getattr(state, f.name), index_B, in_place))
     return state
@@ -105,9 +106,12 @@ class ConceptCache(Cache):
         if capacity <= self.capacity:
             return
         if self.started:
-            self.state.runner = None  # new token buffers: the fixed-shape step is rebuilt on them
+            if self.state.runner is not None:  # new token buffers: the state adopts a step anew
+                detach(self.state)
             for kv in self.state.token_caches:
                 extra = capacity - kv.capacity
+                if extra <= 0:  # (a fixed-shape mode allocates a capacity bucket)
+                    continue
                 kv.k = torch.cat([kv.k, kv.k.new_zeros(*kv.k.shape[:2], extra, kv.k.shape[3])], 2)
                 kv.v = torch.cat([kv.v, kv.v.new_zeros(*kv.v.shape[:2], extra, kv.v.shape[3])], 2)
                 kv.valid_BC = torch.cat([kv.valid_BC, kv.valid_BC.new_zeros(kv.valid_BC.shape[0], extra)], 1)

@@ -140,6 +140,18 @@ class ConceptMoEModel(nn.Module):
         return x
 
     # forward -----------------------------------------------------------------------------------
+    def release_decode_graphs(self) -> None:
+        """Frees the fixed-shape decoding steps kept across ``generate`` calls (decode_pool.py)."""
+        graphs = self.__dict__.get("_decode_graphs")
+        if graphs is not None:
+            graphs.release()
+
+    def _apply(self, fn, *args, **kwargs):
+        """A move or dtype change (``to``, ``cuda``, ``half``, ...) frees the kept decoding steps: their
+        buffers and graphs are of the old device and dtype."""
+        self.release_decode_graphs()
+        return super()._apply(fn, *args, **kwargs)
+
     def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                 segment_ids=None, modality_ids=None, state=None, doc_layout=None) -> BackboneOutput:
         """``doc_layout``: the token stack's `DocLayout` of these ``attention_mask`` / ``segment_ids``, built

@@ -4,8 +4,10 @@
 cache: a shape that changes with each token. ``StaticStep`` runs the same phases on caches in static
 mode (``KVCache.static``: each row writes at its ``len_B``, a step attends every slot of the capacity
 under the ``valid_BC`` mask, as transformers' ``StaticCache``) and keeps every tensor the step reads or
-writes at one address for the life of the state: the state fields a phase reassigns and the phases'
-results are copied into buffers. Each phase is then one graph of fixed shapes that a CUDA graph replays:
+writes at one address for the life of the step, which the model keeps across ``generate`` calls
+(``DecodeGraphs``, decode_pool.py: one step per batch size and capacity bucket): the state fields a
+phase reassigns and the phases' results are copied into buffers. Each phase is then one graph of fixed
+shapes that a CUDA graph replays:
 
 - ``"static"``: the fixed-shape phases, eager (the reference of ``"compiled"``; any device);
 - ``"compiled"``: each phase under ``torch.compile(fullgraph=True)``: on CUDA ``mode="reduce-overhead"``
@@ -18,22 +20,27 @@ results are copied into buffers. Each phase is then one graph of fixed shapes th
 
 The plain MoE's step is one graph. The ConceptMoE's is three (token phase, concept phase, decoder
 phase): the boundary read between the first two (the step's one host read) chooses whether the
-concept graph runs. Why the whole capacity rather than length buckets: ``generate`` sizes the token
-caches to prompt + new tokens, so a step attends at most ``max_new_tokens`` slots more than the
-eager one, with one graph per phase and nothing to recapture as the sequence grows. A concept cache
+concept graph runs. Why the whole capacity rather than length buckets: the token caches hold
+``capacity_bucket(prompt + new tokens)`` slots (at least 64, rounded up to an eighth of its power of
+two), so a step attends at most 1/8 more slots than the longest sequence needs, with one graph per
+phase, nothing to recapture as the sequence grows and nothing to compile or capture for a later call
+in the same bucket. A concept cache
 that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concept graph recompiles
 (torch.compile's shape guards) and the new buffers are marked static again.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
+import weakref
 
 import torch
 
 from .chunking import ChunkCarry
 from .conceptmoe import ConceptMoEModel
+from .decode_pool import DecodeGraphs, capacity_bucket, detach, fill_slots, share
 from .generation import (
     DecodeState,
     boundary_read,
@@ -53,29 +60,35 @@ def decode(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.Tenso
     if state.decode == "eager":
         return decode_step(model, state, input_ids_B1)
     if state.runner is None:
-        state.runner = StaticStep(model, state)
+        graphs = model.__dict__.get("_decode_graphs")
+        if graphs is None:
+            graphs = model._decode_graphs = DecodeGraphs()
+        state.runner = graphs.step_for(model, state)
     return state.runner(input_ids_B1)
 
 
 class StaticStep:
-    """The fixed-shape decoding step of one ``DecodeState`` after its prefill (see the module
-    docstring). Built at the first decoding step; dropped (``state.runner = None``) by whatever
-    replaces the state's tensors (a batch of another size, more token slots), rebuilt at the next."""
+    """The fixed-shape decoding step of one key of ``DecodeGraphs`` (decode_pool.py; see the module
+    docstring): a state of its own (``slot``: every buffer the graphs read or write, token caches of
+    ``capacity`` slots) and ``io``, on which the graphs are compiled or captured once. A decoding state
+    ``adopt``s it (copied in, then sharing the slot's buffers) at its first step; the state that held it
+    before gets copies of its own."""
 
-    def __init__(self, model: ConceptMoEModel, state: DecodeState):
+    def __init__(self, model: ConceptMoEModel, state: DecodeState, capacity: int | None = None):
         cfg = model.cfg
-        self.model, self.state = model, state
+        self.model = model
         self.compiled = state.decode == "compiled"
         self.cuda = state.next_pos_B.device.type == "cuda"
         if self.compiled and not self.cuda:
             log.info("decode='compiled' on %s: torch.compile with inductor's default mode (no CUDA graph there)",
                      state.next_pos_B.device.type)
+        capacity = capacity or capacity_bucket(state.token_caches[0].capacity)
+        slot = self.slot = DecodeState([_empty_cache(c, capacity) for c in state.token_caches],
+                                       [_empty_cache(c, c.capacity) for c in state.concept_caches])
         for name in CARRY:  # buffers of its own (the prefill's may be views of its inputs)
             t = getattr(state, name)
-            if t is not None:
-                setattr(state, name, t.clone(memory_format=torch.contiguous_format))
-        for cache in state.token_caches + state.concept_caches:
-            cache.static = True
+            setattr(slot, name, None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format))
+        slot.decode = state.decode
         B, D, dev = state.next_pos_B.shape[0], cfg.hidden_size, state.next_pos_B.device
         dtype = model.embed_tokens.weight.dtype
         head_dim = cfg.head_dim or D // cfg.num_attention_heads
@@ -88,13 +101,43 @@ class StaticStep:
             self.io.update(b=torch.zeros(B, dtype=torch.bool, device=dev),
                            concept=torch.zeros(B, D, dtype=dtype, device=dev),
                            weight=torch.zeros(B, dtype=torch.float32, device=dev))
-        self._concept_k = state.concept_caches[0].k if state.concept_caches else None
+        self.owner = lambda: None  # the state holding the slot (a weak reference)
         self._captured: dict = {}  # "cudagraph": phase graph -> its CUDAGraph, or None once warmed up
+        self.adopt(state)
+        self._concept_k = slot.concept_caches[0].k if slot.concept_caches else None
         self._mark_static(all_of_it=True)
+
+    def adopt(self, state: DecodeState) -> None:
+        """``state`` (after its prefill, or detached) copied into the slot, then sharing its buffers; the
+        slots past ``state``'s capacity invalid. A concept cache the prefill grew past the slot's
+        capacity gets buffers of that size (the concept graph then recompiles / recaptures, as after
+        a growth between steps)."""
+        before = self.owner()
+        if before is not None and before is not state and before.runner is self:
+            detach(before)
+        slot = self.slot
+        for mine, theirs in zip(slot.token_caches + slot.concept_caches, state.token_caches + state.concept_caches):
+            if mine is theirs:
+                continue
+            if theirs.capacity > mine.capacity:
+                mine.k, mine.v = theirs.k.new_zeros(theirs.k.shape), theirs.v.new_zeros(theirs.v.shape)
+                mine.valid_BC = theirs.valid_BC.new_zeros(theirs.valid_BC.shape)
+            fill_slots(mine.k, theirs.k, 2)
+            fill_slots(mine.v, theirs.v, 2)
+            mine.valid_BC.zero_()
+            fill_slots(mine.valid_BC, theirs.valid_BC, 1)
+            mine.len_B.copy_(theirs.len_B)
+            mine.size, mine.ragged, mine.dense, mine.static = theirs.size, theirs.ragged, theirs.dense, True
+        for name in CARRY:
+            buf, t = getattr(slot, name), getattr(state, name)
+            if buf is not t:
+                buf.copy_(t)
+        share(state, slot)
+        state.runner, self.owner = self, weakref.ref(state)
 
     @torch.no_grad()
     def __call__(self, input_ids_B1: torch.Tensor) -> torch.Tensor:
-        state, io = self.state, self.io
+        state, io = self.slot, self.io
         tokens = state.token_caches
         if tokens[0].size >= tokens[0].capacity:
             raise ValueError(f"KV cache full (capacity {tokens[0].capacity})")
@@ -122,14 +165,21 @@ class StaticStep:
         return io["out"].clone()
 
     def _run(self, graph) -> None:
-        if self.state.decode == "cudagraph":
+        if self.slot.decode == "cudagraph":
             return self._replay(graph)
-        backend = self.model.cfg.runtime.decode_compile_backend
-        (compiled_graph(graph, self.cuda, backend) if self.compiled else graph)(self.model, self.state, self.io)
+        if not self.compiled:
+            return graph(self.model, self.slot, self.io)
+        try:
+            compiled_graph(graph, self.cuda, self.model.cfg.runtime.decode_compile_backend)(self.model, self.slot, self.io)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:  # (fullgraph: dynamo fails, never runs eager)
+            raise RuntimeError(f"decode='compiled': torch.compile's recompile limit "
+                               f"({torch._dynamo.config.recompile_limit}) reached for {graph.__name__} (one version "
+                               "per batch size and capacity bucket kept): call model.release_decode_graphs() "
+                               "and torch._dynamo.reset(), or raise torch._dynamo.config.recompile_limit") from e
 
     def _replay(self, graph) -> None:
         """"cudagraph": warm up (eager, side stream), then capture, then replay (module docstring)."""
-        run = functools.partial(graph, self.model, self.state, self.io)
+        run = functools.partial(graph, self.model, self.slot, self.io)
         if graph not in self._captured:
             warm_up(run)
             self._captured[graph] = None
@@ -140,17 +190,28 @@ class StaticStep:
 
     def _mark_static(self, all_of_it: bool = False, grown: bool = False) -> None:
         """CUDA graphs (compiled on CUDA): every buffer the graphs read or write is a static address;
-        after a concept cache grew, its new buffers too. Unguarded: another state's buffers of the
-        same shapes re-record the CUDA graphs instead of recompiling."""
+        after a concept cache grew, its new buffers too. Guarded (the default): the compiled code is
+        this slot's, whose buffers never move, so a later call replays the same CUDA graphs."""
         if not (self.compiled and self.cuda):
             return
-        state = self.state
+        state = self.slot
         caches = state.concept_caches if grown else state.token_caches + state.concept_caches
         tensors = [getattr(c, n) for c in caches for n in ("k", "v", "valid_BC", "len_B")]
         if all_of_it:
             tensors += [t for t in (getattr(state, n) for n in CARRY) if t is not None] + list(self.io.values())
         for t in tensors:
-            torch._dynamo.mark_static_address(t, guard=False)
+            torch._dynamo.mark_static_address(t)
+
+
+def _empty_cache(cache, capacity: int):
+    """A cache object like ``cache`` (same class and host fields) on zero buffers of ``capacity`` slots."""
+    out = copy.copy(cache)
+    B, H, _, D = cache.k.shape
+    out.k = cache.k.new_zeros(B, H, capacity, D)
+    out.v = cache.v.new_zeros(B, H, capacity, D)
+    out.valid_BC = cache.valid_BC.new_zeros(B, capacity)
+    out.len_B = torch.zeros_like(cache.len_B)
+    return out
 
 
 def warm_up(run) -> None:

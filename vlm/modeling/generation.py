@@ -19,6 +19,7 @@ import torch
 from .attention import KVCache
 from .chunking import TEXT, ChunkCarry
 from .conceptmoe import ConceptMoEModel
+from .decode_pool import capacity_bucket
 from .syncs import host_sync
 
 
@@ -108,11 +109,14 @@ class DecodeState(ChunkCarry):
     def allocate(cls, model: ConceptMoEModel, batch: int, capacity: int, device, dtype,
                  decode: str = "eager") -> "DecodeState":
         """Token caches of ``capacity`` slots; concept caches (``ConceptKVCache``) of
-        ``concept_capacity(capacity, planned_ratio(cfg), cfg.runtime.concept_headroom)``, grown when needed. ``decode``: one of
-        ``DECODE_MODES``."""
-        check_decode(decode, torch.device(device))
+        ``concept_capacity(capacity, planned_ratio(cfg), cfg.runtime.concept_headroom)``, grown when needed.
+        ``decode``: one of ``DECODE_MODES``; a fixed-shape mode allocates ``capacity_bucket(capacity)`` token
+        slots (the slots of the step it decodes on, decode_pool.py)."""
+        check_decode(decode, torch.device(device), dtype)
         cfg = model.cfg
         kv = cfg.num_key_value_heads
+        if decode != "eager":
+            capacity = capacity_bucket(capacity)
         headroom = cfg.runtime.concept_headroom
         n_concepts = concept_capacity(capacity, planned_ratio(cfg), headroom)
         token_layers = list(model.encoder) + list(model.decoder)
@@ -125,12 +129,23 @@ class DecodeState(ChunkCarry):
         return state
 
 
-def check_decode(decode: str, device: torch.device | None = None) -> str:
+CAPTURED_DTYPE = torch.bfloat16  # the one dtype whose CUDA grouped GEMM reads nothing on the host
+
+
+def check_decode(decode: str, device: torch.device | None = None, dtype: torch.dtype | None = None) -> str:
+    """``decode`` if the model's device and dtype (when given) can run it, else one ``ValueError`` line.
+    CUDA graphs on CUDA ("cudagraph", "compiled") need bf16: torch's ``_grouped_mm`` serves other dtypes
+    by a fallback that copies the expert offsets to the host, which a capture cannot do."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode={decode!r} is not a decoding mode: use one of {', '.join(DECODE_MODES)}")
     if decode == "cudagraph" and device is not None and device.type != "cuda":
         raise ValueError(f"decode='cudagraph' captures CUDA graphs: the model is on {device.type} "
                          "(use 'static', or 'compiled' for torch.compile)")
+    if (decode in ("cudagraph", "compiled") and device is not None and device.type == "cuda"
+            and dtype is not None and dtype != CAPTURED_DTYPE):
+        raise ValueError(f"decode={decode!r} on CUDA captures the MoE, whose {str(dtype).removeprefix('torch.')} "
+                         "grouped GEMM copies its offsets to the host: use model.to(torch.bfloat16), or "
+                         "decode='static'")
     return decode
 
 

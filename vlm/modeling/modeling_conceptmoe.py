@@ -271,6 +271,11 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
     def step(self, state: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
         return self.lm_head(decode(self.model, state, tokens_B[:, None])[:, 0])
 
+    def release_decode_graphs(self) -> None:
+        """Frees the fixed-shape decoding steps (buffers, compiled code's CUDA graphs, captured graphs)
+        that ``decode="static"`` / ``"compiled"`` / ``"cudagraph"`` keep across calls (decode_pool.py)."""
+        self.model.release_decode_graphs()
+
     @torch.no_grad()
     def generate(self, inputs=None, generation_config=None, decode: str | None = None, **kwargs):
         """``GenerationMixin.generate`` on the concept cache (see the module docstring); the model runs
@@ -280,7 +285,8 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, GenerationMixin):
         compiling (CUDA only); decode_graph.py."""
         given = kwargs.get("cache", kwargs.get("past_key_values"))
         if decode is not None:
-            check_decode(decode)
+            p = next(self.parameters())
+            check_decode(decode, p.device, p.dtype)
             if isinstance(given, ConceptCache) and given.decode != decode:
                 raise ValueError(f"ConceptMoE generate: decode={decode!r} but the given cache decodes "
                                  f"{given.decode!r}")

@@ -94,6 +94,10 @@ class ConceptMoEVLMForConditionalGeneration(ConceptMoEPreTrainedModel, Generatio
             lm.generation_config = lm_config
             self.train(was_training)
 
+    def release_decode_graphs(self) -> None:
+        """The language model's ``release_decode_graphs``."""
+        self.language_model.release_decode_graphs()
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """The vision weights travel inside the checkpoint, so the saved config points at no file. The
         export's ``auto_map`` names this class for ``AutoModel`` as well (``register_for_auto_class``, below,

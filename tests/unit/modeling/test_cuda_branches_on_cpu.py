@@ -235,7 +235,7 @@ def test_packed_training_step_reads_nothing_on_the_cuda_branches():
 def _cudagraph_generate(model, monkeypatch, **kw):
     monkeypatch.setattr(decode_graph, "warm_up", lambda run: run())
     monkeypatch.setattr(decode_graph, "capture", CaptureRules)
-    monkeypatch.setattr(generation, "check_decode", lambda decode, device=None: decode)  # (CUDA only otherwise)
+    monkeypatch.setattr(generation, "check_decode", lambda decode, device=None, dtype=None: decode)  # (CUDA only otherwise)
     monkeypatch.setattr(CaptureRules, "captures", 0)
     ids, am = left_padded(B=2, T=12, pad=4)
     cache = ConceptCache(12 + 9, decode="cudagraph")

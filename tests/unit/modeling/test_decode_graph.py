@@ -200,7 +200,7 @@ def test_cudagraph_sequence_on_the_cpu(merge, monkeypatch):
     growth (at most once per growth), and no captured buffer ever moves (beam reordering copies into them)."""
     monkeypatch.setattr(decode_graph, "warm_up", lambda run: run())
     monkeypatch.setattr(decode_graph, "capture", FakeGraph)
-    monkeypatch.setattr(generation, "check_decode", lambda decode, device=None: decode)  # (CUDA only otherwise)
+    monkeypatch.setattr(generation, "check_decode", lambda decode, device=None, dtype=None: decode)  # (CUDA only otherwise)
     monkeypatch.setattr(FakeGraph, "captures", 0)
     growths, reserve = [], generation.ConceptKVCache.reserve
 
