@@ -146,7 +146,7 @@ PLANTS = [
   "        scale_down(grad_groups_flat, combined_scale(total_norm, float(optimizer.loss_scale), optimizer.clip_grad))\n",
   "        scale_down(grad_groups_flat, combined_scale(total_norm, float(optimizer.loss_scale), 0.0))\n",
   "tests/unit/training/test_zero_norm.py::test_clipped_gradients_equal_deepspeeds_above_max_norm"),
- ("39-combined-scale", "vlm/training/zero_norm.py",
+ ("39-combined-scale", "vlm/training/clip_scale.py",
   "    return max(1.0, (norm / loss_scale + 1e-6) / clip_grad) * loss_scale\n",
   "    return max(1.0, (norm / loss_scale + 1e-6) / clip_grad * 1.01) * loss_scale\n",
   "tests/unit/training/test_zero_norm.py::test_clipped_gradients_equal_deepspeeds_above_max_norm"),

@@ -31,16 +31,14 @@ that grows (``ConceptKVCache.reserve``, between steps) changes shape: the concep
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
 import weakref
 
 import torch
 
-from .chunking import ChunkCarry
 from .conceptmoe import ConceptMoEModel
-from .decode_pool import DecodeGraphs, capacity_bucket, detach, fill_slots, share
+from .decode_pool import CARRY, DecodeGraphs, capacity_bucket, detach, fill_slots, share
 from .generation import (
     DecodeState,
     boundary_read,
@@ -52,7 +50,6 @@ from .generation import (
 
 log = logging.getLogger(__name__)
 
-CARRY = ("next_pos_B",) + tuple(f.name for f in dataclasses.fields(ChunkCarry))  # state fields a phase reassigns
 
 
 def decode(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.Tensor) -> torch.Tensor:
@@ -63,7 +60,7 @@ def decode(model: ConceptMoEModel, state: DecodeState, input_ids_B1: torch.Tenso
         graphs = model.__dict__.get("_decode_graphs")
         if graphs is None:
             graphs = model._decode_graphs = DecodeGraphs()
-        state.runner = graphs.step_for(model, state)
+        state.runner = graphs.step_for(model, state, StaticStep)
     return state.runner(input_ids_B1)
 
 

@@ -11,9 +11,13 @@ Freed by ``release`` (``model.release_decode_graphs()``, and any move or dtype c
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
+from .chunking import ChunkCarry
+
+CARRY = ("next_pos_B",) + tuple(f.name for f in dataclasses.fields(ChunkCarry))  # state fields a phase reassigns
 CAPACITY_MIN = 64  # the smallest capacity bucket (token slots)
 BUCKETS_PER_OCTAVE = 8  # buckets between two powers of two: at most 1/8 more slots attended than needed
 
@@ -35,15 +39,15 @@ class DecodeGraphs:
     def __init__(self):
         self.steps: dict = {}
 
-    def step_for(self, model, state):
-        """The step of ``state``'s key, built on first use, with ``state`` adopted (``StaticStep.adopt``)."""
-        from .decode_graph import CARRY, StaticStep  # (decode_graph imports this module)
+    def step_for(self, model, state, make_step):
+        """The step of ``state``'s key, built on first use by ``make_step(model, state, capacity=)``
+        (decode_graph.StaticStep), else with ``state`` adopted (``StaticStep.adopt``)."""
         tokens = state.token_caches[0]
         key = (state.decode, tokens.k.shape[0], capacity_bucket(tokens.capacity), tokens.k.device, tokens.k.dtype,
                tuple(name for name in CARRY if getattr(state, name) is not None))
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = StaticStep(model, state, capacity=key[2])
+            step = self.steps[key] = make_step(model, state, capacity=key[2])
         else:
             step.adopt(state)
         return step
@@ -65,7 +69,6 @@ class DecodeGraphs:
 
 def share(state, slot) -> None:
     """``state`` made to hold ``slot``'s cache objects and carry buffers (the same objects)."""
-    from .decode_graph import CARRY
     state.token_caches = list(slot.token_caches)
     state.concept_caches = list(slot.concept_caches)
     for name in CARRY:
@@ -75,7 +78,6 @@ def share(state, slot) -> None:
 def detach(state) -> None:
     """``state`` given copies of everything it shares with its step's buffers, and no step: another
     state may take the buffers now, or this one replaces its tensors (batch rows, more slots)."""
-    from .decode_graph import CARRY
     state.token_caches = [_own(c) for c in state.token_caches]
     state.concept_caches = [_own(c) for c in state.concept_caches]
     for name in CARRY:

@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from vlm.training.clip_scale import combined_scale
+
 TESTED = ">=0.19.8,<0.20"  # pyproject.toml's deepspeed range (tests/unit/training/test_ds_compat.py)
 TESTED_FROM, TESTED_BELOW = (0, 19, 8), (0, 20)
 PATCHES = {"overflow": "the overflow check (overflow.py)", "norm": "the gradient norm (zero_norm.py)",
@@ -122,7 +124,6 @@ def step_skip_difference(cls, optimizer, dtype, check_grad_overflow, as_float: b
 
 def clip_difference(cls) -> str | None:
     """None when DeepSpeed's ``unscale_and_clip_grads`` divides by zero_norm.py's ``combined_scale``."""
-    from vlm.training.zero_norm import combined_scale
 
     class Opt:
         device = "cpu"

@@ -18,11 +18,10 @@ ds_compat.py) is DeepSpeed's own code.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from vlm.modeling.syncs import host_sync
+from vlm.training.clip_scale import combined_scale
 from vlm.training.ds_compat import patchable
 
 NORM_READ = ("optimizer step: the global gradient norm, read once (a non-finite norm skips the step and holds the "
@@ -85,15 +84,6 @@ def group_norm(optimizer, gradients, params) -> torch.Tensor:
     total = total.sqrt()
     mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
     return total
-
-
-def combined_scale(total_norm: float, loss_scale: float, clip_grad: float) -> float:
-    """DeepSpeed's factor that the gradients are divided by: the loss scale, times the clip factor
-    ``max(1, (norm / loss_scale + 1e-6) / clip_grad)`` when clipping is on (an invalid norm clips by inf)."""
-    if clip_grad <= 0.0:
-        return loss_scale
-    norm = total_norm if math.isfinite(total_norm) and total_norm >= 0 else math.inf
-    return max(1.0, (norm / loss_scale + 1e-6) / clip_grad) * loss_scale
 
 
 def scale_down(grad_groups_flat, combined: float) -> None:

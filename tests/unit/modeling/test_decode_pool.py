@@ -11,36 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from vlm.modeling import decode_graph, generation, modeling_conceptmoe
 from vlm.modeling.decode_pool import capacity_bucket
 from vlm.modeling.hf_features import generation_cache_key, returned_cache
 
 from _device import dev, require_test_device  # noqa: F401
-from conftest import build_model, decisive, left_padded, randomise_joint
-from test_decode_graph import GRAPHS, FakeGraph
+from conftest import build_model, left_padded
+from test_decode_graph import GRAPHS, FakeGraph, _model, counter  # noqa: F401 (counter: a fixture)
 
 PRESETS = ["tiny", "tiny_concept"]
-
-
-def _model(preset: str, backend=None):
-    """``backend``: the model's ``runtime.decode_compile_backend`` (the ``counter`` fixture's)."""
-    model = build_model(preset)
-    if backend is not None:
-        model.config.runtime.decode_compile_backend = backend
-    if model.config.chunking:
-        decisive(randomise_joint(model), 3)
-    return dev(model)
-
-
-@pytest.fixture
-def counter(monkeypatch):
-    torch._dynamo.reset()
-    count = CompileCounterWithBackend("eager")
-    monkeypatch.setattr(decode_graph, "_COMPILED", {})
-    yield count
-    torch._dynamo.reset()
 
 
 @pytest.fixture

@@ -7,17 +7,15 @@ tensors (a slowly decaying state carried across its carry blocks too); and the o
 forward + backward, the same at 1K and 16K concepts."""
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import sys
 
 import pytest
 import torch
 
-import vlm.modeling
 from benchmarks.op_counter import OpCounter
 from vlm.modeling.dechunk import ema_reference, ema_scan
 
+import _cuda_on_cpu
 from _device import DEVICE, dev, require_test_device, tol  # noqa: F401
 
 pytestmark = pytest.mark.device
@@ -111,57 +109,13 @@ def test_dechunk_ops_do_not_grow_with_concepts():
 
 
 # the Triton kernel on CPU tensors under the interpreter ------------------------------------------------
-def _triton_python_modules() -> list[str]:
-    return [k for k in sys.modules if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")]
-
-
-def _interpreter_cannot_loop_to_a_runtime_int() -> str | None:
-    """Why this triton's interpreter cannot run our carry kernel's ``for c0 in range(0, N, CB)`` over a
-    runtime int (triton 3.6's interpreter with numpy 2.4: ``int()`` of a 1-element array), or None. The
-    compiled kernel is not concerned: test_triton_kernels_compile_for_a_gpu_without_one compiles it."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(out_ptr, n):
-        acc = tl.zeros([1], dtype=tl.float32)
-        for _ in range(0, n, 1):
-            acc += 1.0
-        tl.store(out_ptr + tl.arange(0, 1), acc)
-
-    out = torch.zeros(1)
-    try:
-        probe[(1,)](out, 3)
-    except Exception as err:  # noqa: BLE001 - any failure of the probe is the reason to skip
-        return (f"triton {triton.__version__}'s interpreter cannot loop over a runtime int argument "
-                f"({type(err).__name__}: {str(err)[:120]}); the kernel's compile test still runs")
-    return None if float(out[0]) == 3.0 else f"triton {triton.__version__}'s interpreter miscounts a runtime loop"
-
-
 @pytest.fixture(scope="class")
 def interpreted_triton():
-    """``vlm.modeling.linear_scan_triton`` on CPU tensors with ``TRITON_INTERPRET=1``. The flag is read when
-    ``triton.jit`` decorates, triton's own ``tl.cumsum`` / ``tl.sum`` included, so triton's Python modules
-    (not its compiled extension) are imported afresh under the flag, and the process's own put back after."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable: the Triton EMA kernel cannot be checked")
-    ours = "vlm.modeling.linear_scan_triton"
-    saved = {k: sys.modules.pop(k) for k in _triton_python_modules() + [ours] if k in sys.modules}
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TRITON_INTERPRET", "1")
-            module = importlib.import_module(ours)
-            why = _interpreter_cannot_loop_to_a_runtime_int()
-            if why:
-                pytest.skip(why)
-            yield module
-    finally:
-        for k in _triton_python_modules() + [ours]:
-            sys.modules.pop(k, None)
-        sys.modules.update(saved)
-        vars(vlm.modeling).pop("linear_scan_triton", None)  # the import set the package attribute too
-        if ours in saved:
-            vlm.modeling.linear_scan_triton = saved[ours]
+    """``vlm.modeling.linear_scan_triton`` on CPU tensors with ``TRITON_INTERPRET=1`` (tests/_cuda_on_cpu.py:
+    triton's Python modules imported afresh under the flag, the process's own put back after; a skip where
+    this triton's interpreter cannot run the carry kernel's loop)."""
+    with _cuda_on_cpu.interpreted_triton() as module:
+        yield module
 
 
 class TestTritonInterpreted:
