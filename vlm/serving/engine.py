@@ -130,10 +130,11 @@ class Engine:
         return sum(n for _, n in steps) / span
 
     def achieved_ratio(self) -> float:
-        """Tokens per concept over the active rows (0 without concept caches or rows)."""
+        """Tokens per concept cache entry over the requests served so far and the active rows (0 before
+        any decode step, and without concept caches)."""
         rows = list(self.active)
-        concepts = sum(r.concepts for r in rows)
-        return sum(r.prompt_len + len(r.tokens) for r in rows) / concepts if concepts else 0.0
+        concepts = self.stats["concepts"] + sum(r.concepts for r in rows)
+        return (self.stats["fed"] + sum(r.fed for r in rows)) / concepts if concepts else 0.0
 
     # ---- the scheduler thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,8 +222,8 @@ class Engine:
         the request is finished."""
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
-        if concepts is not None:
-            req.concepts = concepts
+        if concepts is not None:  # read after the step that fed the previous token
+            req.concepts, req.fed = concepts, req.prompt_len + len(req.tokens)
         self.stats["tokens"] += 1
         done = None
         if token in self.eos_ids:
@@ -242,10 +243,18 @@ class Engine:
         if done:
             req.finish_reason = done
             self.stats["finished"] += 1
+            self._retire(req)
             req.emit("done", done)
         return done is not None
 
+    def _retire(self, req: Request) -> None:
+        """A leaving row's tokens and concepts join the served totals (the achieved R)."""
+        self.stats["fed"] += req.fed
+        self.stats["concepts"] += req.concepts
+        req.fed = req.concepts = 0
+
     def _finish_early(self, req: Request) -> None:
+        self._retire(req)
         if req.cancelled:
             self.stats["cancelled"] += 1
             req.emit("done", "cancelled")

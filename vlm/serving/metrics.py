@@ -17,7 +17,8 @@ def prometheus_text(engine, http_errors: dict[int, int]) -> str:
         ("vlm_kv_bytes_held", "gauge", "bytes of the active rows' token and concept caches", engine.held_bytes()),
         ("vlm_kv_budget_bytes", "gauge", "the KV budget admission counts against", engine.kv_budget),
         ("vlm_kv_bytes_per_request", "gauge", "bytes one request's caches are allocated at", engine.request_bytes),
-        ("vlm_achieved_ratio", "gauge", "tokens per concept over the active rows (0: none)", engine.achieved_ratio()),
+        ("vlm_achieved_ratio", "gauge", "tokens per concept-cache entry over the served and active requests (0: none)",
+         engine.achieved_ratio()),
     ]
     out = []
     for name, kind, help_, value in rows:

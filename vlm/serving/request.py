@@ -46,7 +46,8 @@ class Request:
     tokens: list = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` already streamed
-    concepts: int = 0  # concept-cache entries at the last step (the achieved R's denominator)
+    concepts: int = 0  # concept-cache entries after the last step (the achieved R's denominator)
+    fed: int = 0  # tokens through the caches by then (prompt + tokens fed back)
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finish_reason: str | None = None

@@ -154,3 +154,15 @@ def test_seeded_sampling_reproducible_and_top_p_floor_is_greedy(tiny_model):
     assert sampled(temperature=1.5, seed=7) == sampled(temperature=1.5, seed=7)
     assert sampled(temperature=1.5, seed=7) != sampled(temperature=1.5, seed=8)
     assert sampled(temperature=1.0, top_p=1e-6, seed=1) == greedy
+
+
+def test_achieved_ratio_of_fixed_boundaries(tiny_model):
+    """Fixed boundaries every 2 tokens: the concept caches hold one entry per 2 tokens fed."""
+    model = tiny_model("tiny_concept", boundary_mode="fixed")
+    engine = Engine(model, NumberTokenizer(), capacity=96, max_rows=4)
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(5, 2048, (1, 16), generator=gen) for _ in range(2)]
+    run(engine, [Request(x, None, Params(max_tokens=33)) for x in ids])
+    fed = len(ids) * (16 + 32)  # the last sampled token is never fed
+    assert engine.stats["fed"] == fed and engine.stats["concepts"] == len(ids) * 24
+    assert engine.achieved_ratio() == 2.0
