@@ -35,6 +35,11 @@ def create_app(engine, processor, model_name: str, api_key: str | None = None, i
     app = FastAPI(title="ConceptMoE-VL", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     http_errors: dict[int, int] = {}
+    max_body = 8 * max_image_bytes + (1 << 20)  # a few base64 images and the text
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: HttpRequest, exc: Exception):  # an OpenAI body, no internals
+        return error_response(EngineError(f"internal error ({type(exc).__name__})", 500, "internal_error"))
 
     @app.middleware("http")
     async def guard(request: HttpRequest, call_next):
@@ -69,7 +74,7 @@ def create_app(engine, processor, model_name: str, api_key: str | None = None, i
     async def chat(request: HttpRequest):
         try:
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await read_body(request, max_body))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise EngineError(f"the request body is not valid JSON ({e.msg if hasattr(e, 'msg') else e})",
                                   400, "invalid_json") from None
@@ -97,6 +102,19 @@ def create_app(engine, processor, model_name: str, api_key: str | None = None, i
         return await complete(request, req, events, meta)
 
     return app
+
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise EngineError(f"the request body is larger than {limit} bytes", 413, "request_too_large")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise EngineError(f"the request body is larger than {limit} bytes", 413, "request_too_large")
+    return bytes(data)
 
 
 def prompt_inputs(processor, turns) -> dict:

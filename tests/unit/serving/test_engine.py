@@ -166,3 +166,24 @@ def test_achieved_ratio_of_fixed_boundaries(tiny_model):
     fed = len(ids) * (16 + 32)  # the last sampled token is never fed
     assert engine.stats["fed"] == fed and engine.stats["concepts"] == len(ids) * 24
     assert engine.achieved_ratio() == 2.0
+
+
+def test_stop_string_ends_the_answer_before_it(tiny_model):
+    model = tiny_model("tiny")
+    x = prompts(1)[0]
+    want = alone(model, x, 8)
+    stop = f" {want[3]}"  # NumberTokenizer: the text is " id id id ..."
+    full = "".join(f" {t}" for t in want)
+    events = []
+    engine = Engine(model, NumberTokenizer(), capacity=64).start()
+    try:
+        engine.submit(Request(x, None, Params(max_tokens=8, stop=(stop,)), sink=events.append))
+        for _ in range(1000):
+            if events and events[-1][0] != "delta":
+                break
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    text = "".join(v for k, v in events if k == "delta")
+    assert events[-1] == ("done", "stop")
+    assert text == full[:full.index(stop)] and stop not in text

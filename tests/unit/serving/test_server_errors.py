@@ -97,6 +97,7 @@ def cases(tmp, secret):
         "max_tokens huge": ({"body": chat("hi", max_tokens=10**9)}, 400, "context_length_exceeded"),
         "n = 2": ({"body": chat("hi", n=2)}, 400, None),
         "logprobs": ({"body": chat("hi", logprobs=True)}, 400, None),
+        "body too large": ({"raw": b" " * (9 * 20_000 + (1 << 20))}, 413, "request_too_large"),
         "missing key": ({"body": chat("hi"), "key": None}, 401, "invalid_api_key"),
         "wrong key": ({"body": chat("hi"), "key": "sk-wrong"}, 401, "invalid_api_key"),
     }
