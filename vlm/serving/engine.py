@@ -13,6 +13,7 @@ concept caches' lengths (achieved R), which the host needs to stream text.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
@@ -24,6 +25,8 @@ from .request import EngineError, Request
 from .rows import held_bytes, join_rows, keep_rows
 from .sampling import sample_rows
 from .text_stream import safe_len, stop_at
+
+log = logging.getLogger(__name__)
 
 
 def language_model(model):
@@ -80,6 +83,8 @@ class Engine:
     def submit(self, req: Request) -> Request:
         self.check(req)
         with self.cond:
+            if self.error is not None:
+                raise EngineError("the engine failed; restart the server", 503, "engine_error")
             if self.draining or self._stop:
                 raise EngineError("the server is shutting down", 503, "shutting_down")
             if len(self.waiting) >= self.max_queue:
@@ -158,7 +163,7 @@ class Engine:
                 req.emit("error", EngineError(f"engine failure: {type(e).__name__}: {e}", 500, "engine_error"))
             self.active, self.state = [], None
             self.waiting.clear()
-            raise
+            log.exception("vlm.serving engine failed; new requests are refused (503)")
 
     def _token_size(self, rows: list[Request]) -> int:
         """The longest row's token cache length: prompt + tokens already fed (the last sampled one not yet)."""

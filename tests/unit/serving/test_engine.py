@@ -187,3 +187,24 @@ def test_stop_string_ends_the_answer_before_it(tiny_model):
     text = "".join(v for k, v in events if k == "delta")
     assert events[-1] == ("done", "stop")
     assert text == full[:full.index(stop)] and stop not in text
+
+
+def test_engine_failure_reaches_callers_and_refuses_later_requests(tiny_model):
+    model = tiny_model("tiny")
+    engine = Engine(model, NumberTokenizer(), capacity=64)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    engine.lm.step = broken  # the first decode step fails
+    engine.start()
+    try:
+        req = engine.submit(Request(prompts(1)[0], None, Params(max_tokens=4)))
+        with pytest.raises(EngineError, match="engine failure: RuntimeError: boom") as e:
+            req.collect(60)
+        assert e.value.status == 500
+        with pytest.raises(EngineError, match="engine failed") as e:
+            engine.submit(Request(prompts(1)[0], None, Params(max_tokens=4)))
+        assert e.value.status == 503
+    finally:
+        engine.stop(drain=False, timeout=10)
