@@ -57,7 +57,7 @@ def test_rows_joining_and_leaving_decode_as_alone(tiny_model, make_decisive, pre
     assert engine.held_bytes() == 0 and engine.state is None
 
 
-def test_vlm_rows_with_images_decode_as_alone():
+def test_vlm_rows_with_images_decode_as_alone(make_decisive):
     import tempfile
 
     from _data_helpers import tiny_tokenizer
@@ -69,6 +69,7 @@ def test_vlm_rows_with_images_decode_as_alone():
         tiny_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(tmp)
     model, proc = build_tiny_vlm(tok)
+    make_decisive(model.language_model)
     inputs = []
     for i, text in enumerate(["hello there", "the cat sat on", "what is this digit", "to be or not"]):
         content = [{"type": "text", "text": text}]
