@@ -1,9 +1,9 @@
 """The serving engine: continuous batching over per-row token and concept caches.
 
 Requests wait in a bounded queue (full: ``EngineError`` 429). One scheduler thread loops: admit waiting
-requests while the KV budget allows (each is prefilled alone on a batch-1 ``DecodeState`` of the engine's
-token capacity, then joins the running batch: rows.join_rows), run one decode step over every active
-row, sample, stream each row's new text, and drop the rows that finished, were cancelled (a
+requests while the KV budget allows (prefilled in left-padded groups on a ``DecodeState`` of the
+engine's token capacity, prefill.py, then joined to the running batch: rows.join_rows), run one decode
+step over every active row, sample, stream each row's new text, and drop the rows that finished, were cancelled (a
 disconnected client) or timed out (rows.keep_rows). Admission counts the bytes a request's caches are
 allocated at (``planned_bytes``): the ConceptMoE's concept caches hold ~capacity / R slots, so under one
 budget it admits more rows than its matched MoE. Decode steps run eagerly (fixed-shape captured steps
@@ -21,6 +21,7 @@ import torch
 
 from vlm.modeling.generation import DecodeState
 
+from .prefill import groups, prefill
 from .request import EngineError, Request
 from .rows import held_bytes, join_rows, keep_rows
 from .sampling import sample_rows
@@ -45,10 +46,11 @@ def planned_bytes(model, capacity: int) -> int:
 class Engine:
     """``submit`` requests (thread-safe); ``start`` / ``stop`` the scheduler thread. ``capacity``: token
     slots per row (prompt + new tokens); ``kv_budget``: bytes all rows' caches may hold (None: room for
-    ``max_rows`` rows); ``max_queue``: waiting requests before 429."""
+    ``max_rows`` rows); ``max_queue``: waiting requests before 429; ``prefill_rows``: requests prefilled
+    together at most (left-padded with ``pad_id``)."""
 
     def __init__(self, model, tokenizer, capacity: int, max_rows: int = 32, max_queue: int = 64,
-                 kv_budget: int | None = None, eos_ids=()):
+                 kv_budget: int | None = None, eos_ids=(), prefill_rows: int = 8, pad_id: int = 0):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.lm = language_model(model)
         self.capacity, self.max_rows, self.max_queue = int(capacity), int(max_rows), int(max_queue)
@@ -57,6 +59,7 @@ class Engine:
         if self.kv_budget < self.request_bytes:
             raise ValueError(f"kv budget {self.kv_budget} B holds no request ({self.request_bytes} B each)")
         self.eos_ids = {int(i) for i in eos_ids}
+        self.prefill_rows, self.pad_id = int(prefill_rows), int(pad_id)  # requests prefilled together at most
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []
         self.state: DecodeState | None = None
@@ -166,38 +169,36 @@ class Engine:
             log.exception("vlm.serving engine failed; new requests are refused (503)")
 
     def _token_size(self, rows: list[Request]) -> int:
-        """The longest row's token cache length: prompt + tokens already fed (the last sampled one not yet)."""
-        return max(r.prompt_len + len(r.tokens) - 1 for r in rows)
+        """The longest row's token cache length: left padding (a grouped prefill) + prompt + tokens already
+        fed (the last sampled one not yet)."""
+        return max(r.pad + r.prompt_len + len(r.tokens) - 1 for r in rows)
 
     @torch.no_grad()
     def _admit(self) -> list[DecodeState]:
-        """Prefill waiting requests while rows and KV budget allow; their batch-1 states."""
-        states, now = [], time.monotonic()
-        while True:
-            with self.cond:
-                if not self.waiting:
-                    break
+        """Admit waiting requests while rows and KV budget allow, prefill them (in groups: prefill.py);
+        the states of the rows that did not finish at their first token."""
+        admitted, now = [], time.monotonic()
+        with self.cond:
+            while self.waiting:
                 req = self.waiting[0]
                 if req.cancelled or req.expired(now):
                     self.waiting.popleft()
                     self._finish_early(req)
                     continue
-                held = self.held_bytes() + len(states) * self.request_bytes
-                if len(self.active) >= self.max_rows or held + self.request_bytes > self.kv_budget:
+                held = self.held_bytes() + len(admitted) * self.request_bytes
+                if len(self.active) + len(admitted) >= self.max_rows or held + self.request_bytes > self.kv_budget:
                     break
-                self.waiting.popleft()
-            state = self.lm.start_decoding(1, self.capacity)
-            ids = req.input_ids.to(next(self.lm.parameters()).device)
-            if hasattr(self.model, "embed"):  # a VLM: image features spliced into the prompt's embeddings
-                pix = None if req.pixel_values is None else req.pixel_values.to(ids.device)
-                embeds, modality = self.model.embed(ids, pix)
-                logits_BV = self.lm.prefill(state, inputs_embeds=embeds, modality_ids=modality)
-            else:
-                logits_BV = self.lm.prefill(state, input_ids=ids)
-            tokens, _ = sample_rows(logits_BV, [req])
-            if self._emit(req, tokens[0], None):
+                admitted.append(self.waiting.popleft())
+        states = []
+        for group in groups(admitted, self.capacity, self.prefill_rows):
+            state, logits_BV = prefill(self.model, self.lm, group, self.capacity, self.pad_id)
+            tokens, _ = sample_rows(logits_BV, group)
+            keep = [b for b, r in enumerate(group) if not self._emit(r, tokens[b], None)]
+            if not keep:
                 continue
-            self.active.append(req)
+            if len(keep) < len(group):
+                state = keep_rows(state, keep, max(group[b].pad + group[b].prompt_len for b in keep))
+            self.active += [group[b] for b in keep]
             states.append(state)
         return states
 

@@ -48,6 +48,7 @@ class Request:
     sent: int = 0  # characters of ``text`` already streamed
     concepts: int = 0  # concept-cache entries after the last step (the achieved R's denominator)
     fed: int = 0  # tokens through the caches by then (prompt + tokens fed back)
+    pad: int = 0  # left padding of its row (a grouped prefill)
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finish_reason: str | None = None
