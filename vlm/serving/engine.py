@@ -47,10 +47,10 @@ class Engine:
     """``submit`` requests (thread-safe); ``start`` / ``stop`` the scheduler thread. ``capacity``: token
     slots per row (prompt + new tokens); ``kv_budget``: bytes all rows' caches may hold (None: room for
     ``max_rows`` rows); ``max_queue``: waiting requests before 429; ``prefill_rows``: requests prefilled
-    together at most (left-padded with ``pad_id``)."""
+    together at most (left-padded with ``pad_id``, default the tokenizer's)."""
 
     def __init__(self, model, tokenizer, capacity: int, max_rows: int = 32, max_queue: int = 64,
-                 kv_budget: int | None = None, eos_ids=(), prefill_rows: int = 8, pad_id: int = 0):
+                 kv_budget: int | None = None, eos_ids=(), prefill_rows: int = 8, pad_id: int | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.lm = language_model(model)
         self.capacity, self.max_rows, self.max_queue = int(capacity), int(max_rows), int(max_queue)
@@ -59,7 +59,9 @@ class Engine:
         if self.kv_budget < self.request_bytes:
             raise ValueError(f"kv budget {self.kv_budget} B holds no request ({self.request_bytes} B each)")
         self.eos_ids = {int(i) for i in eos_ids}
-        self.prefill_rows, self.pad_id = int(prefill_rows), int(pad_id)  # requests prefilled together at most
+        if pad_id is None:  # the tokenizer's pad token (padding is masked out)
+            pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self.prefill_rows, self.pad_id = int(prefill_rows), int(pad_id)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []
         self.state: DecodeState | None = None
