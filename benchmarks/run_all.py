@@ -25,7 +25,7 @@ from benchmarks.harness import free_memory
 from benchmarks.machine import machine_info
 
 BENCHMARKS = ("prefill", "decode", "inference", "moe", "train", "train_packed", "attention", "dechunk", "expert_parallel",
-              "overhead", "vs_transformers")
+              "overhead", "vs_transformers", "serving")
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import (
-    attention, dechunk, decode, expert_parallel, inference, moe, prefill, run_all, train, train_packed,
+    attention, dechunk, decode, expert_parallel, inference, moe, prefill, run_all, serving, train, train_packed,
     vs_transformers,
 )
 from benchmarks.inference_modes import Mode
@@ -429,3 +429,14 @@ def test_interleaving_and_stats():
 def test_size_parsing():
     assert parse_sizes("1K,2k,300", {}, "cpu") == ("custom", [1024, 2048, 300])
     assert parse_sizes(None, {"cpu": [1, 2]}, "cpu") == ("cpu", [1, 2])
+
+
+def test_serving_smoke(out_dir):
+    d = _run(serving, out_dir)
+    assert [r["concurrency"] for r in d["results"]] == serving.PRESETS["smoke"]
+    for r in d["results"]:
+        assert r["engine"]["tokens"] == r["sequential"]["tokens"] == r["static_batch"]["tokens"]
+        assert r["engine"]["peak_rows"] == r["concurrency"]  # the engine batched every request
+    adm = d["admission"]
+    assert adm["concept_bytes"] < adm["moe_bytes"] and adm["concept_admitted"] > adm["moe_admitted"]
+    assert [t["target"] for t in d["targets"]] == [4.0, 1.8]

@@ -1,0 +1,201 @@
+"""Serving: the continuous-batching engine (vlm/serving/engine.py) against sequential ``generate`` and
+static batches of ``generate`` over the same requests, and KV admission, ConceptMoE vs matched MoE.
+
+Throughput and latency at each concurrency c: c requests (random prompts of one length P, G greedy
+tokens each, no EOS) given at once to (a) the engine with c rows, (b) ``generate`` one request after
+another, (c) ``generate`` on the c requests as one batch. Tokens/s = all new tokens / wall time; TTFT =
+time from submission to a request's first token; inter-token = gaps between a request's tokens (p50,
+p99 over all requests). Admission: the KV bytes one request's caches are allocated at (token layers at
+the capacity, concept layers at capacity / R + headroom: ``engine.planned_bytes``) for 8K-token
+requests, and how many fit one budget (32 MoE requests' worth).
+
+    python -m benchmarks.serving [--sizes 1,8,32] [--prompt 32] [--new 32] [--smoke]
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from benchmarks.cli import base_parser, logger, setup
+from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
+from benchmarks.report import finish, fmt_num, md_table, settings_line, write_results
+
+NAME = "serving"
+PRESETS = {"smoke": [1, 4], "cpu": [1, 8, 32], "gpu": [1, 8, 32]}
+REPS = {"smoke": 1, "cpu": 1, "gpu": 1}
+ADMIT_LEN = 8192  # the issue's long requests
+BUDGET_MOE_REQUESTS = 32
+TARGETS = {"throughput_c32_over_sequential": 4.0, "admitted_concept_over_moe": 1.8}  # issue 41 item 6
+
+
+class _Numbers:
+    """The engine decodes text: ids as numbers (the benchmark measures decoding, not a tokenizer)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids)  # every token adds text: one streamed delta per token
+
+
+class _Clock:
+    """A ``generate`` streamer recording when each new token (batch of tokens) arrives."""
+
+    def __init__(self):
+        self.times, self._prompt_seen = [], False
+
+    def put(self, value):
+        if not self._prompt_seen:  # the first put is the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _latency(starts, token_times):
+    """TTFT p50 and inter-token p50 / p99 (seconds) from per-request start times and token times."""
+    ttft = [t[0] - s for s, t in zip(starts, token_times) if t]
+    gaps = [b - a for t in token_times for a, b in itertools.pairwise(t)]
+    return {"ttft_p50": _pct(ttft, 0.5), "itl_p50": _pct(gaps, 0.5), "itl_p99": _pct(gaps, 0.99)}
+
+
+def run_engine(model, prompts, new: int) -> dict:
+    from vlm.serving.engine import Engine
+    from vlm.serving.request import Params, Request
+
+    times = [[] for _ in prompts]
+
+    def sink_for(i):
+        return lambda event: times[i].append(time.perf_counter()) if event[0] != "error" else None
+
+    engine = Engine(model, _Numbers(), capacity=prompts[0].shape[1] + new + 1, max_rows=len(prompts)).start()
+    try:
+        t0 = time.perf_counter()
+        reqs = [engine.submit(Request(p, None, Params(max_tokens=new), sink=sink_for(i))) for i, p in enumerate(prompts)]
+        while any(r.finish_reason is None for r in reqs):
+            time.sleep(0.001)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    token_times = [t[:len(r.tokens)] for t, r in zip(times, reqs)]  # one delta per token, then "done"
+    n_tokens = sum(len(r.tokens) for r in reqs)
+    return {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / wall,
+            **_latency([t0] * len(reqs), token_times), "peak_rows": engine.stats["peak_rows"]}
+
+
+def run_generate(model, prompts, new: int, batched: bool) -> dict:
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    t0 = time.perf_counter()
+    starts, token_times = [], []
+    groups = [torch.cat(prompts)] if batched else prompts
+    for ids in groups:
+        clock = _Clock()
+        s = time.perf_counter()
+        model.generate(ids, streamer=clock, **kw)
+        starts += [s] * ids.shape[0]
+        token_times += [clock.times] * ids.shape[0]
+    wall = time.perf_counter() - t0
+    n_tokens = new * len(prompts)
+    if not batched:  # sequential: request i waits for the ones before it
+        starts = [t0] * len(prompts)
+    return {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / wall, **_latency(starts, token_times)}
+
+
+def admission(base, con) -> dict:
+    from vlm.serving.engine import planned_bytes
+
+    moe_b, con_b = planned_bytes(base, ADMIT_LEN), planned_bytes(con, ADMIT_LEN)
+    budget = BUDGET_MOE_REQUESTS * moe_b
+    return {"request_len": ADMIT_LEN, "budget_bytes": budget, "moe_bytes": moe_b, "concept_bytes": con_b,
+            "moe_admitted": budget // moe_b, "concept_admitted": budget // con_b,
+            "admitted_ratio": (budget // con_b) / (budget // moe_b)}
+
+
+def run(argv=None) -> dict:
+    ap = base_parser(NAME, __doc__.split("\n")[0], "concurrency levels, e.g. 1,8,32")
+    add_pair_args(ap)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens per request (default 32; smoke 8)")
+    ap.add_argument("--new", type=int, default=None, help="new tokens per request (default 32; smoke 6)")
+    args = ap.parse_args(argv)
+    s = setup(NAME, args, PRESETS, REPS)
+    log = logger(s)
+    pair = args.pair or ("smoke" if s.preset == "smoke" else ("gpu" if s.is_cuda else "cpu"))
+    base_cfg, con_cfg, pair_info = load_pair(pair, args.ratio, args.strategy, seq_len=ADMIT_LEN)
+    base = build_model(base_cfg, s.device, s.dtype, seed=s.seed).eval()
+    con = build_model(con_cfg, s.device, s.dtype, seed=s.seed).eval()
+    P = args.prompt or (8 if s.smoke else 32)
+    G = args.new or (6 if s.smoke else 32)
+    adm = admission(base, con)
+    log(f"admission at {ADMIT_LEN}: MoE {adm['moe_bytes']} B, ConceptMoE {adm['concept_bytes']} B per request; "
+        f"admitted {adm['moe_admitted']} vs {adm['concept_admitted']}")
+    results = []
+    for c in s.sizes:
+        prompts = [random_ids(1, P, con_cfg.vocab_size, s.device, seed=100 + i) for i in range(c)]
+        row = {"concurrency": c}
+        with torch.no_grad():
+            if not results:  # warm-up (first-call costs: kernels chosen, features probed), untimed
+                run_engine(con, prompts[:1], 2), run_generate(con, prompts[:1], 2, batched=False)
+            row["engine"] = run_engine(con, prompts, G)
+            row["sequential"] = run_generate(con, prompts, G, batched=False)
+            row["static_batch"] = run_generate(con, prompts, G, batched=True)
+        row["engine_over_sequential"] = row["engine"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]
+        results.append(row)
+        log(f"c={c}: engine {row['engine']['tokens_per_s']:.0f} tok/s, sequential "
+            f"{row['sequential']['tokens_per_s']:.0f}, static batch {row['static_batch']['tokens_per_s']:.0f}")
+        write_results(s, {"pair": pair_info, "admission": adm, "results": results}, "(partial)", partial=True)
+
+    def report():
+        rows = []
+        for r in results:
+            for mode in ("engine", "sequential", "static_batch"):
+                m = r[mode]
+                rows.append([r["concurrency"], mode.replace("_", " "), fmt_num(m["tokens_per_s"]),
+                             f"{m['wall_s']:.2f} s", f"{m['ttft_p50'] * 1e3:.1f} ms", f"{m['itl_p50'] * 1e3:.2f} ms",
+                             f"{m['itl_p99'] * 1e3:.2f} ms"])
+        c32 = next((r["engine_over_sequential"] for r in results if r["concurrency"] == 32), None)
+        targets = [{"what": "tokens/s at concurrency 32 over sequential generate (CPU)",
+                    "target": TARGETS["throughput_c32_over_sequential"], "value": c32,
+                    "met": None if c32 is None or s.is_cuda else c32 >= TARGETS["throughput_c32_over_sequential"]},
+                   {"what": f"concurrent {ADMIT_LEN}-token requests admitted, ConceptMoE over MoE",
+                    "target": TARGETS["admitted_concept_over_moe"], "value": adm["admitted_ratio"],
+                    "met": adm["admitted_ratio"] >= TARGETS["admitted_concept_over_moe"]}]
+        md = (f"## Serving: continuous batching vs generate\n\n{settings_line(s)}\n\n"
+              f"- model: the ConceptMoE of the pair ({pair_info['concept']}); {P}-token prompts, {G} greedy "
+              "tokens each, c requests given at once\n- engine: vlm/serving/engine.py with c rows (eager steps); "
+              "sequential: `generate` per request; static batch: `generate` on all c at once\n\n"
+              + md_table(["concurrency", "mode", "tokens/s", "wall", "TTFT p50", "inter-token p50",
+                          "inter-token p99"], rows)
+              + f"\n\n### KV admission at {ADMIT_LEN} tokens per request\n\n"
+              + md_table(["model", "KV bytes per request (allocated)", f"admitted under {fmt_num(adm['budget_bytes'], 'B')}"],
+                         [["MoE", fmt_num(adm["moe_bytes"], "B"), adm["moe_admitted"]],
+                          ["ConceptMoE", fmt_num(adm["concept_bytes"], "B"), adm["concept_admitted"]],
+                          ["ratio", f"{adm['concept_bytes'] / adm['moe_bytes']:.3f}", f"{adm['admitted_ratio']:.2f}x"]])
+              + "\n\n### Targets (issue 41)\n\n"
+              + md_table(["target", "wanted", "measured", "met"],
+                         [[t["what"], f">= {t['target']:g}", "n/a" if t["value"] is None else f"{t['value']:.2f}",
+                           {True: "yes", False: "NO", None: "n/a"}[t["met"]]] for t in targets]) + "\n")
+        return {"pair": pair_info, "prompt": P, "new": G, "admission": adm, "results": results,
+                "targets": targets}, md
+
+    def plot(plt):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for mode in ("engine", "sequential", "static_batch"):
+            ax.plot([r["concurrency"] for r in results], [r[mode]["tokens_per_s"] for r in results], "o-", label=mode)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+        return fig
+
+    return finish(s, report, plot, log)
+
+
+if __name__ == "__main__":
+    run()
