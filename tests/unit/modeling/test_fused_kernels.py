@@ -32,7 +32,7 @@ from vlm.modeling.modeling_conceptmoe import chunked_lm_loss, loss_only
 
 from _device import BF16_TOL, DEVICE, require_test_device, tol  # noqa: F401
 from conftest import build_model
-from test_linear_scan import _triton_python_modules
+from _cuda_on_cpu import _triton_python_modules
 
 AUTO = {"cross_entropy": "auto", "rms_norm": "auto", "swiglu": "auto"}
 OURS = ["vlm.modeling.swiglu_triton", "vlm.modeling.liger_ops", "vlm.modeling.expert_mlp_fused"]
