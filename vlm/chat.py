@@ -73,8 +73,8 @@ def load(args, torch):
     """(model in eval mode on the chosen device, processor) of the export."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if not args.trust_remote_code:
-        import vlm.modeling.modeling_conceptmoe_vl  # noqa: F401  registers our classes with the auto classes
+    if not args.trust_remote_code:  # importing them registers our classes with the auto classes
+        import vlm.modeling.modeling_conceptmoe_vl
         import vlm.modeling.processing_conceptmoe_vl  # noqa: F401
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForImageTextToText.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)

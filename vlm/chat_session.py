@@ -94,7 +94,7 @@ class ChatSession:
             try:
                 result["ids"] = self.model.generate(**inputs, streamer=streamer, **self.options,
                                                     stopping_criteria=StoppingCriteriaList([_StopFlag(self.stop)]))
-            except BaseException as err:  # handed to the caller's thread below
+            except Exception as err:  # noqa: BLE001  any error: re-raised in the caller's thread below
                 result["error"] = err
                 streamer.end()
 
