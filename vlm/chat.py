@@ -133,8 +133,8 @@ def run(session, lines, interactive: bool, show_concepts: bool, out=sys.stdout, 
                 marked, count, stats = session.concept_marks()
             except BadInput as bad:
                 return fail(str(bad))
-            print(f"concepts: {marked}  ({count} boundaries; R={stats['ratio']:.2f} over prompt + reply)",
-                  file=out, flush=True)
+            print(f"concepts: {marked}  ({count} {'boundary' if count == 1 else 'boundaries'}; "
+                  f"R={stats['ratio']:.2f} over prompt + reply)", file=out, flush=True)
     return 0
 
 

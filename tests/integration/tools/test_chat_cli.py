@@ -4,6 +4,7 @@ model.generate's greedy answer to the prompt the chat template gives for the con
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,8 @@ def test_show_concepts_adds_a_marked_line_per_reply(export):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert [line.startswith("concepts: ") for line in lines] == [False, True, False, True]
-    assert all("boundaries; R=" in line for line in lines[1::2])
+    assert all(re.search(r" \(\d+ boundar(y|ies); R=\d+\.\d\d over prompt \+ reply\)$", line)
+               for line in lines[1::2]), lines
 
 
 @pytest.mark.parametrize("make_input, message", [
