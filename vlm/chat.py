@@ -43,8 +43,8 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def check_args(args, torch) -> str | None:
-    """The first problem with the options as one line, else None."""
+def check_args(args) -> str | None:
+    """The first problem with the options as one line, else None (torch is imported for --device only)."""
     if not os.path.isdir(args.model):
         return f"--model {args.model}: no such folder"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -58,6 +58,8 @@ def check_args(args, torch) -> str | None:
     if args.top_p != 1 and args.temperature == 0:
         return "--top-p needs --temperature > 0 (temperature 0 is greedy decoding)"
     if args.device != "auto":
+        import torch
+
         try:
             device = torch.device(args.device)
         except (RuntimeError, ValueError):
@@ -73,9 +75,10 @@ def load(args, torch):
     """(model in eval mode on the chosen device, processor) of the export."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if not args.trust_remote_code:  # importing them registers our classes with the auto classes
-        import vlm.modeling.modeling_conceptmoe_vl
-        import vlm.modeling.processing_conceptmoe_vl  # noqa: F401
+    if not args.trust_remote_code:
+        import vlm
+
+        vlm.register_auto_classes()  # this package's classes behind the Auto classes
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForImageTextToText.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     processor = AutoProcessor.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -154,11 +157,10 @@ def terminal_lines(prompt: str = "you: "):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    problem = check_args(args, torch)
+    problem = check_args(args)
     if problem:
         return fail(problem)
+    import torch
     from transformers import set_seed
 
     from vlm.chat_session import ChatSession

@@ -78,3 +78,10 @@ def test_bad_input_is_one_line_and_exit_2(export, tmp_path, make_input, message)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+def test_the_export_s_own_code_gives_the_same_replies(export):
+    """--trust-remote-code: the model and processor classes from the export's files (auto_map)."""
+    ours, remote = chat(export, "Hello\n"), chat(export, "Hello\n", "--trust-remote-code")
+    assert ours.returncode == remote.returncode == 0, remote.stderr[-2000:]
+    assert remote.stdout == ours.stdout and ours.stdout.strip()
