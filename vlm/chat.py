@@ -90,9 +90,12 @@ def fail(message: str) -> int:
     return 2
 
 
-def run(session, lines, interactive: bool, show_concepts: bool, out=sys.stdout, err=sys.stderr) -> int:
-    """The chat loop over ``lines`` (an iterator of input lines); returns the exit status."""
+def run(session, lines, interactive: bool, show_concepts: bool, out=None, err=None) -> int:
+    """The chat loop over ``lines`` (an iterator of input lines); returns the exit status. ``out`` / ``err``:
+    sys.stdout / sys.stderr as they are at the call."""
     from vlm.chat_session import BadInput
+
+    out, err = out or sys.stdout, err or sys.stderr
 
     def refuse(message: str) -> int | None:
         print(f"error: {message}", file=err)
@@ -127,6 +130,12 @@ def run(session, lines, interactive: bool, show_concepts: bool, out=sys.stdout, 
                 if status is not None:
                     return status
             continue
+        try:
+            session.check_message(line)
+        except BadInput as bad:
+            if refuse(str(bad)) is not None:
+                return 2
+            continue
         if interactive:
             print("assistant: ", end="", file=out, flush=True)
         session.send(line, on_text=lambda piece: print(piece, end="", file=out, flush=True))
@@ -134,8 +143,9 @@ def run(session, lines, interactive: bool, show_concepts: bool, out=sys.stdout, 
         if show_concepts:
             try:
                 marked, count, stats = session.concept_marks()
-            except BadInput as bad:
-                return fail(str(bad))
+            except BadInput as bad:  # a model without chunking: the option cannot be served
+                print(f"error: {bad}", file=err)
+                return 2
             print(f"concepts: {marked}  ({count} {'boundary' if count == 1 else 'boundaries'}; "
                   f"R={stats['ratio']:.2f} over prompt + reply)", file=out, flush=True)
     return 0
@@ -169,6 +179,8 @@ def main(argv=None) -> int:
         model, processor = load(args, torch)
     except (OSError, ValueError, KeyError) as err:
         return fail(f"cannot load {args.model}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    if args.show_concepts and not getattr(getattr(model.config, "text_config", None), "chunking", False):
+        return fail("--show-concepts: this model has chunking switched off (no concepts to mark)")
     set_seed(args.seed)
     session = ChatSession(model, processor, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p)

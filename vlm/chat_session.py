@@ -53,6 +53,9 @@ class ChatSession:
         self.images: list = []  # PIL images of the history, in placeholder order
         self.pending: list = []  # attached, not yet sent
         self.last = None  # (inputs of the last prompt, its generated ids) for concept_marks
+        tokenizer = processor.tokenizer
+        names = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self.special_tokens = sorted(names | set(tokenizer.all_special_tokens), key=len, reverse=True)
 
     # ----- the conversation -----
     def attach(self, path: str) -> None:
@@ -66,6 +69,13 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the history and any attached images."""
         self.messages, self.images, self.pending, self.last = [], [], [], None
+
+    def check_message(self, text: str) -> None:
+        """``BadInput`` if ``text`` holds a special-token string (``<image>``, ``<|end|>``, ...): typed, it
+        would inject turns or an image placeholder without a picture into the chat template."""
+        found = next((tok for tok in self.special_tokens if tok in text), None)
+        if found is not None:
+            raise BadInput(f"the message contains the special token {found!r} (attach images with /image PATH)")
 
     def user_message(self, text: str) -> dict:
         parts = [{"type": "image"} for _ in self.pending] + [{"type": "text", "text": text}]
@@ -85,6 +95,8 @@ class ChatSession:
     def send(self, text: str, on_text=lambda piece: None) -> str:
         """Generate the reply to user turn ``text``: ``on_text`` gets each streamed piece; the turn and
         the reply join the history, and the whole reply (special tokens skipped) is returned."""
+        self.check_message(text)
+        self.stop.clear()
         inputs = self.inputs(text)
         streamer = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True,
                                         clean_up_tokenization_spaces=False)
