@@ -177,3 +177,15 @@ def test_show_concepts_on_a_model_without_chunking_is_refused_before_the_chat(tm
     out, err = capsys.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert out == "" and len(errors) == 1 and "chunking switched off" in errors[0], err
+
+
+def test_sampling_follows_the_seed(tiny):
+    """--temperature > 0 samples (top-p applied); the same --seed gives the same reply."""
+    from transformers import set_seed
+
+    model, processor = tiny
+    replies = []
+    for seed in (3, 3, 4):
+        set_seed(seed)
+        replies.append(ChatSession(model, processor, max_new_tokens=N_NEW, temperature=1.5, top_p=0.95).send("Hi"))
+    assert replies[0] == replies[1] and replies[0] != replies[2]
