@@ -85,3 +85,26 @@ def test_the_export_s_own_code_gives_the_same_replies(export):
     ours, remote = chat(export, "Hello\n"), chat(export, "Hello\n", "--trust-remote-code")
     assert ours.returncode == remote.returncode == 0, remote.stderr[-2000:]
     assert remote.stdout == ours.stdout and ours.stdout.strip()
+
+
+def test_ctrl_c_mid_reply_leaves_cleanly(export):
+    """SIGINT while a long reply streams: the reply stops, exit status 0, no traceback."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen([sys.executable, "-m", "vlm.chat", "--model", str(export), "--max-new-tokens", "20000"],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(1)  # the reply has started
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    assert b"Traceback" not in err and time.monotonic() - started < 60
