@@ -43,18 +43,30 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
 
 class _FingerprintLoader:
     """Wraps the trainer's loader: hashes the token ids of every batch it yields (same data order
-    across arms <=> same fingerprint) and delegates everything else."""
+    across arms <=> same fingerprint) and delegates everything else. ``text_digest`` hashes the ids
+    without ``skip_ids`` (image placeholders, padding) in row order: the same samples in the same order
+    whatever the number of image tokens per image (the VLM study's arms differ in it)."""
 
-    def __init__(self, loader):
-        self._loader, self._hash, self.batches = loader, hashlib.sha1(), 0
+    def __init__(self, loader, skip_ids=()):
+        self._loader, self._hash, self._text, self.batches = loader, hashlib.sha1(), hashlib.sha1(), 0
+        self._skip = list(skip_ids)
 
     def __iter__(self):
+        import torch
+
         for batch in self._loader:
             ids = batch.get("input_ids")
             if ids is not None:
                 self._hash.update(ids.cpu().numpy().tobytes())
+                flat = ids.cpu().flatten()
+                keep = ~torch.isin(flat, torch.tensor(self._skip, dtype=flat.dtype))
+                self._text.update(flat[keep].numpy().tobytes())  # host copy of a host batch: no device read
             self.batches += 1
             yield batch
+
+    @property
+    def text_digest(self) -> str:
+        return self._text.hexdigest()[:16]
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -95,11 +107,13 @@ def _run_job(job: dict) -> dict:
     t0 = time.time()
     tcfg = load_train_config(raw=copy.deepcopy(job["train"]))
     trainer = Trainer(tcfg)
-    fp = _FingerprintLoader(trainer.loader)
+    chat = trainer.processor.chat_tokenizer
+    fp = _FingerprintLoader(trainer.loader, [i for i in (chat.image_id, chat.pad_id) if i is not None])
     trainer.loader = fp
     try:
         trainer.fit()
         fingerprint = f"{fp.digest}/{fp.batches}"
+        text_fingerprint = f"{fp.text_digest}/{fp.batches}"
         fin = trainer.finish()
     finally:
         trainer.close()
@@ -126,7 +140,7 @@ def _run_job(job: dict) -> dict:
     result = {"arm": job["arm"], "arm_name": job["arm_name"], "seed": job["seed"], "key": job["key"],
               "run_dir": job["run_dir"], "params_measured": counts, "last_train_record": rec,
               "tokens_seen": int(rec.get("tokens_seen", 0)), "steps": int(rec.get("step", 0)),
-              "data_fingerprint": fingerprint,
+              "data_fingerprint": fingerprint, "text_fingerprint": text_fingerprint,
               "vqa": {k: ev[k] for k in ("accuracy", "correct", "total", "by_kind", "ratio", "ratio_image",
                                          "ratio_text", "eval_time_s") if k in ev} or None,
               "text": text, "wall_s": round(time.time() - t0, 2)}
