@@ -20,7 +20,9 @@ def image_records(vqa_json: str, n: int) -> list[dict]:
 
 
 def _load(hf: str):
-    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe_vl import (
+        ConceptMoEVLMForConditionalGeneration,
+    )
     from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     model = ConceptMoEVLMForConditionalGeneration.from_pretrained(hf).eval()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config_base import PosInt, Section, check, fail
