@@ -90,3 +90,23 @@ def test_vlm_config_errors():
         load_compare(smoke, ["study=lm"])
     with pytest.raises(ConfigError, match=r"match_to: must name an earlier arm"):
         load_compare(smoke, ["arms=[{id: a, name: full}, {id: b, name: x, solve: sample, match_to: z}]"])
+
+
+@pytest.mark.parametrize("config", ["configs/compare/vlm_smoke.yaml", "configs/compare/vlm_cpu.yaml",
+                                    "configs/compare/vlm_gpu.yaml", "configs/train/scenes.yaml"])
+@needs_data
+def test_eval_generates_enough_tokens_for_every_answer(config, tmp_path):
+    """Greedy eval stops at eval.max_new_tokens: an answer longer than that (with its <|end|>) can never
+    be scored right ("bottom-right" is 6 tokens of the default tokenizer)."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from data_pipelines.scene_data import build
+
+    raw = yaml.safe_load((ROOT / config).read_text())
+    max_new = (raw.get("train", raw) if "study" in raw else raw)["eval"]["max_new_tokens"]
+    build(str(tmp_path / "s"), seed=0, sizes={"train": 30, "val": 1, "test": 1}, quiet=True)
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "data" / "default" / "tokenizer"))
+    answers = {r["conversations"][1]["value"] for r in json.loads((tmp_path / "s" / "scenes_train.json").read_text())}
+    longest = max(len(tok(a + "<|end|>")["input_ids"]) for a in answers)
+    assert longest <= max_new, f"{config}: eval.max_new_tokens={max_new} < {longest} tokens of the longest answer"
