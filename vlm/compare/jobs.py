@@ -43,26 +43,42 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
 
 class _FingerprintLoader:
     """Wraps the trainer's loader: hashes the token ids of every batch it yields (same data order
-    across arms <=> same fingerprint) and delegates everything else. ``text_digest`` hashes the ids
-    without ``skip_ids`` (image placeholders, padding) in row order: the same samples in the same order
-    whatever the number of image tokens per image (the VLM study's arms differ in it)."""
+    across arms <=> same fingerprint) and delegates everything else. ``text_digest`` hashes each step's
+    samples (split by ``segment_ids``) without ``skip_ids`` (image placeholders, padding), sorted within
+    the step: the same samples in the same steps whatever the image tokens per image, which the VLM
+    study's arms differ in and which changes how first-fit packing lays the samples into rows."""
 
     def __init__(self, loader, skip_ids=()):
         self._loader, self._hash, self._text, self.batches = loader, hashlib.sha1(), hashlib.sha1(), 0
-        self._skip = list(skip_ids)
+        self._skip = set(skip_ids)
 
     def __iter__(self):
-        import torch
-
         for batch in self._loader:
             ids = batch.get("input_ids")
             if ids is not None:
                 self._hash.update(ids.cpu().numpy().tobytes())
-                flat = ids.cpu().flatten()
-                keep = ~torch.isin(flat, torch.tensor(self._skip, dtype=flat.dtype))
-                self._text.update(flat[keep].numpy().tobytes())  # host copy of a host batch: no device read
+                self._text.update(b"|step|" + b"|".join(sorted(self._samples(batch))))
             self.batches += 1
             yield batch
+
+    def _samples(self, batch) -> list[bytes]:
+        """The text ids of each sample of a host batch (rows split at segment_ids changes)."""
+        ids = batch["input_ids"].cpu().tolist()  # the loader's host batch: no device read
+        segs = batch["segment_ids"].cpu().tolist() if batch.get("segment_ids") is not None else None
+        out = []
+        for r, row in enumerate(ids):
+            current, prev = [], None
+            for c, tok in enumerate(row):
+                seg = segs[r][c] if segs is not None else 1
+                if seg != prev and current:
+                    out.append(current)
+                    current = []
+                prev = seg
+                if tok not in self._skip and seg != 0:
+                    current.append(tok)
+            if current:
+                out.append(current)
+        return [bytes(str(s), "ascii") for s in out]
 
     @property
     def text_digest(self) -> str:

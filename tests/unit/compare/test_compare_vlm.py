@@ -110,3 +110,36 @@ def test_eval_generates_enough_tokens_for_every_answer(config, tmp_path):
     answers = {r["conversations"][1]["value"] for r in json.loads((tmp_path / "s" / "scenes_train.json").read_text())}
     longest = max(len(tok(a + "<|end|>")["input_ids"]) for a in answers)
     assert longest <= max_new, f"{config}: eval.max_new_tokens={max_new} < {longest} tokens of the longest answer"
+
+
+def test_text_fingerprint_ignores_how_samples_are_packed():
+    """The same samples of a step packed into rows differently (first-fit packing depends on the image
+    tokens per image, which the VLM arms differ in) give the same text fingerprint; other samples do not."""
+    import torch
+
+    from vlm.compare.jobs import _FingerprintLoader
+
+    IMG, PAD = 2, 0
+    s1, s2, s3 = [10, IMG, IMG, 11], [12, 13, IMG], [14, IMG, 15, 16]
+
+    def batch(rows):
+        width = max(sum(len(s) for s in row) for row in rows)
+        ids, seg = torch.full((len(rows), width), PAD), torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            col = 0
+            for k, s in enumerate(row, start=1):
+                ids[r, col:col + len(s)] = torch.tensor(s)
+                seg[r, col:col + len(s)] = k
+                col += len(s)
+        return {"input_ids": ids, "segment_ids": seg}
+
+    def digest(*batches):
+        fp = _FingerprintLoader(list(batches), [IMG, PAD])
+        list(fp)
+        return fp.text_digest
+
+    one_per_row = digest(batch([[s1], [s2], [s3]]))
+    assert digest(batch([[s1, s3], [s2]])) == one_per_row  # first fit put s3 beside s1
+    assert digest(batch([[s2, s1], [s3]])) == one_per_row
+    assert digest(batch([[s1], [s2], [s2]])) != one_per_row  # a different sample
+    assert digest(batch([[s1], [s2]]), batch([[s3]])) != one_per_row  # s3 in the next step
