@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
+.PHONY: setup data data-scenes compare-vlm test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
 
 setup: $(STAMP)
 
@@ -40,6 +40,14 @@ $(DATA_STAMP): $(STAMP) data_pipelines/default_data.py
 
 $(EVAL_DATA_STAMP): $(DATA_STAMP) eval_suites/build_tasks.py
 	$(PY) -m eval_suites.build_tasks --data $(DATA_DIR) --out $(DATA_DIR)/eval --force
+
+# the synthetic glyph scenes of the VLM compression study (issue 40; data_pipelines/scene_data.py);
+# their questions are read with the default data's tokenizer, hence the dependency
+SCENES_DIR ?= data/scenes
+data-scenes: $(DATA_STAMP) $(SCENES_DIR)/.built
+
+$(SCENES_DIR)/.built: $(STAMP) data_pipelines/scene_data.py
+	$(PY) -m data_pipelines.scene_data --out $(SCENES_DIR) --force
 
 # two tiers (pyproject's `integration` marker): the in-process unit tests (a few minutes on 2 cores, run on
 # every change), then the integration tests that launch processes or ranks; CI (.ci/run) runs both
@@ -75,6 +83,11 @@ bench: $(DATA_STAMP)
 
 compare: $(DATA_STAMP)
 	$(PY) -m vlm.compare --config $(COMPARE)
+
+# the VLM study (issue 40): image-token merges vs learned chunking at matched LLM FLOPs on the scenes
+COMPARE_VLM ?= configs/compare/vlm_cpu.yaml
+compare-vlm: data-scenes
+	$(PY) -m vlm.compare --config $(COMPARE_VLM)
 
 # fault injection + soak (table in runs/faults/faults.md), then the input fuzzers at 10x their CI size
 faults: $(DATA_STAMP)

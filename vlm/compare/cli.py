@@ -75,11 +75,37 @@ def main(argv=None) -> int:
     jobs = make_jobs(cfg, raw, presets, out, seeds)
     results = [] if args.dry_run else run_jobs(jobs, args.jobs or cfg["jobs"], fresh=args.fresh,
                                                   isolate=bool(cfg["isolate"]))
-    report = write_report(cfg, raw, presets, results, out, seq_len=seq_len_of(cfg, raw), seeds=seeds,
-                          wall_s=time.time() - t0)
+    if cfg["study"] == "vlm":
+        report = _vlm_report(cfg, raw, presets, results, out, seeds, t0)
+    else:
+        report = write_report(cfg, raw, presets, results, out, seq_len=seq_len_of(cfg, raw), seeds=seeds,
+                              wall_s=time.time() - t0)
     print(report["markdown_tables"], flush=True)
     print(f"[compare] report: {rel(out / 'report.md')} ({time.time() - t0:.0f} s)", flush=True)
     return 0 if report["match_ok"] else 1
+
+
+def _vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seeds: list[int],
+                t0: float) -> dict:
+    """The VLM study's report: the seed-0 exports probed side by side (prefill, concepts), then written."""
+    from vlm.compare.vlm_probe import probe
+    from vlm.compare.vlm_report import write_vlm_report
+
+    probed = None
+    first = {r["arm"]: Path(r["run_dir"]) / "hf" for r in results if r["seed"] == seeds[0]}
+    if first and all((hf / "config.json").is_file() for hf in first.values()):
+        import torch
+
+        e, before = cfg["eval"], torch.get_num_threads()
+        if cfg["threads"]:
+            torch.set_num_threads(int(cfg["threads"]))
+        try:
+            probed = probe({a: str(hf) for a, hf in sorted(first.items())}, str(repo_path(raw["eval"]["vqa_json"])),
+                           str(repo_path(raw["eval"]["image_root"])), int(e["prefill_batch"]), int(e["prefill_reps"]),
+                           int(e["pictures"]), out / "pictures")
+        finally:
+            torch.set_num_threads(before)
+    return write_vlm_report(cfg, raw, presets, results, out, seq_len_of(cfg, raw), seeds, time.time() - t0, probed)
 
 
 if __name__ == "__main__":

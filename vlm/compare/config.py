@@ -13,6 +13,7 @@ from vlm.modeling.config_base import apply_overrides, build, load_yaml, read_yam
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = REPO_ROOT / "configs" / "model" / "compare"  # generated presets, one folder
 STRATEGIES = ("topk", "loop", "wide")
+SAMPLE_SOLVE = "sample"  # VLM study: concept top-k solved so the LLM FLOPs per sample equal arm match_to's
 
 
 class CompareError(ConfigError):
@@ -35,10 +36,12 @@ class ArmSpec(Section):
     id: Text
     name: Text
     label: str | None = None  # default: the name
-    solve: Literal[STRATEGIES] | None = None  # null = the baseline (arm a)
+    solve: Literal[(*STRATEGIES, SAMPLE_SOLVE)] | None = None  # null = the baseline (arm a)
     solve_opts: dict = {}
     same_as: str | None = None  # an earlier arm whose language model this arm reuses
     text: dict = {}  # VLM text overrides, e.g. {chunking: {boundary_mode: fixed}}
+    projector: dict = {}  # VLM study: projector overrides of this arm, e.g. {merge: avg_pool2x2}
+    match_to: str | None = None  # solve "sample": the earlier arm whose LLM FLOPs per sample to match
 
 
 class MatchSpec(Section):
@@ -50,6 +53,7 @@ class MatchSpec(Section):
     joint_decoding_layers: NonNegInt = 4
     concept_merge: Literal["last", "sum"] | None = None
     overrides: dict = {}
+    text_tokens: PosInt | None = None  # VLM study: text tokens per sample (prompt + answer), for FLOPs per sample
 
 
 class VLMSpec(Section):
@@ -66,16 +70,20 @@ class BaselineSpec(Section):
 
 
 class EvalSpec(Section):
-    text: Text = "data/default/shakespeare_val.txt"
+    text: Text | None = "data/default/shakespeare_val.txt"  # null: no held-out text (the VLM study)
     text_max_tokens: PosInt = 8192
     text_seq_len: PosInt | None = None
     text_batch_size: PosInt = 16
     dtype: Literal["float32", "bfloat16"] = "float32"
     keep_hf: bool = True
+    prefill_batch: PosInt = 32  # VLM study: held-out prompts per timed prefill (one forward, all arms side by side)
+    prefill_reps: PosInt = 5  # timed repetitions per arm (median)
+    pictures: NonNegInt = 3  # VLM study: test images drawn with the chunker's concepts (chunking arms)
 
 
 class CompareConfig(Section):
     name: Text | None = None  # default: the YAML's stem
+    study: Literal["lm", "vlm"] = "lm"  # vlm: image-token merges vs chunking (vlm.compare.vlm_report)
     output_dir: Text = "runs/compare"
     seed: NonNegInt = 0
     seeds: PosInt = 1
@@ -106,6 +114,14 @@ def load_compare(path, overrides=()) -> dict:
         ids.add(arm.id)
     check(not (cfg.arms[0].solve or cfg.arms[0].same_as), "arms",
           "the first arm must be the plain-MoE baseline (no solve, no same_as)")
+    seen: set[str] = set()
+    for i, arm in enumerate(cfg.arms):
+        if arm.solve == SAMPLE_SOLVE:
+            check(cfg.study == "vlm", f"arms[{i}].solve", "'sample' needs study: vlm")
+            check(cfg.match.text_tokens is not None, "match.text_tokens", "is required by solve 'sample'")
+        check(not arm.projector or cfg.study == "vlm", f"arms[{i}].projector", "per-arm projectors need study: vlm")
+        check(arm.match_to is None or arm.match_to in seen, f"arms[{i}].match_to", "must name an earlier arm")
+        seen.add(arm.id)
     check(len({a.name for a in cfg.arms}) == len(cfg.arms), "arms", "arm names must be unique")
     out = cfg.model_dump()
     out["name"] = out["name"] or path.stem

@@ -43,18 +43,46 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
 
 class _FingerprintLoader:
     """Wraps the trainer's loader: hashes the token ids of every batch it yields (same data order
-    across arms <=> same fingerprint) and delegates everything else."""
+    across arms <=> same fingerprint) and delegates everything else. ``text_digest`` hashes each step's
+    samples (split by ``segment_ids``) without ``skip_ids`` (image placeholders, padding), sorted within
+    the step: the same samples in the same steps whatever the image tokens per image, which the VLM
+    study's arms differ in and which changes how first-fit packing lays the samples into rows."""
 
-    def __init__(self, loader):
-        self._loader, self._hash, self.batches = loader, hashlib.sha1(), 0
+    def __init__(self, loader, skip_ids=()):
+        self._loader, self._hash, self._text, self.batches = loader, hashlib.sha1(), hashlib.sha1(), 0
+        self._skip = set(skip_ids)
 
     def __iter__(self):
         for batch in self._loader:
             ids = batch.get("input_ids")
             if ids is not None:
                 self._hash.update(ids.cpu().numpy().tobytes())
+                self._text.update(b"|step|" + b"|".join(sorted(self._samples(batch))))
             self.batches += 1
             yield batch
+
+    def _samples(self, batch) -> list[bytes]:
+        """The text ids of each sample of a host batch (rows split at segment_ids changes)."""
+        ids = batch["input_ids"].cpu().tolist()  # the loader's host batch: no device read
+        segs = batch["segment_ids"].cpu().tolist() if batch.get("segment_ids") is not None else None
+        out = []
+        for r, row in enumerate(ids):
+            current, prev = [], None
+            for c, tok in enumerate(row):
+                seg = segs[r][c] if segs is not None else 1
+                if seg != prev and current:
+                    out.append(current)
+                    current = []
+                prev = seg
+                if tok not in self._skip and seg != 0:
+                    current.append(tok)
+            if current:
+                out.append(current)
+        return [bytes(str(s), "ascii") for s in out]
+
+    @property
+    def text_digest(self) -> str:
+        return self._text.hexdigest()[:16]
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -95,11 +123,13 @@ def _run_job(job: dict) -> dict:
     t0 = time.time()
     tcfg = load_train_config(raw=copy.deepcopy(job["train"]))
     trainer = Trainer(tcfg)
-    fp = _FingerprintLoader(trainer.loader)
+    chat = trainer.processor.chat_tokenizer
+    fp = _FingerprintLoader(trainer.loader, [i for i in (chat.image_id, chat.pad_id) if i is not None])
     trainer.loader = fp
     try:
         trainer.fit()
         fingerprint = f"{fp.digest}/{fp.batches}"
+        text_fingerprint = f"{fp.text_digest}/{fp.batches}"
         fin = trainer.finish()
     finally:
         trainer.close()
@@ -126,7 +156,7 @@ def _run_job(job: dict) -> dict:
     result = {"arm": job["arm"], "arm_name": job["arm_name"], "seed": job["seed"], "key": job["key"],
               "run_dir": job["run_dir"], "params_measured": counts, "last_train_record": rec,
               "tokens_seen": int(rec.get("tokens_seen", 0)), "steps": int(rec.get("step", 0)),
-              "data_fingerprint": fingerprint,
+              "data_fingerprint": fingerprint, "text_fingerprint": text_fingerprint,
               "vqa": {k: ev[k] for k in ("accuracy", "correct", "total", "by_kind", "ratio", "ratio_image",
                                          "ratio_text", "eval_time_s") if k in ev} or None,
               "text": text, "wall_s": round(time.time() - t0, 2)}

@@ -47,14 +47,36 @@ def _vlm_text(cfg: dict, arm: dict, lm_file: str, header: list[str]) -> str:
 
     v = cfg["vlm"]
     text = deep_merge(v.get("text") or {}, arm["text"] or {})
+    sections = {"vision": v.get("vision"), "projector": deep_merge(v.get("projector") or {}, arm.get("projector") or {})}
     out = "".join(f"# {line}\n" for line in header)
     for key in ("vision", "projector"):
-        if v.get(key):
-            out += f"{key}: {flow_yaml(v[key])}\n"
+        if sections[key]:
+            out += f"{key}: {flow_yaml(sections[key])}\n"
     out += f"text_preset: {lm_file}\n"
     if text:
         out += f"text: {flow_yaml(text)}\n"
     return out
+
+
+def _solve_sample(cfg: dict, arm: dict, base, out: dict, seq_len: int, cmd: str):
+    """Arm ``arm`` of the VLM study: its free top-k solved so that its LLM FLOPs per sample equal arm
+    ``match_to``'s (none: the anchor, the baseline's top-k)."""
+    from vlm.compare import vlm_match
+
+    grid = vlm_match.patch_grid(cfg["vlm"]["vision"])
+    target, ref = None, None
+    if arm.get("match_to"):
+        ref = next(a for a in cfg["arms"] if a["id"] == arm["match_to"])
+        target = vlm_match.sample_flops(out[ref["id"]]["lm_cfg"], vlm_match.image_tokens(cfg, ref, grid), cfg,
+                                        seq_len)["forward"]
+    lm_cfg = vlm_match.solve_sample(base, cfg, arm, vlm_match.image_tokens(cfg, arm, grid), target, seq_len)
+    info = lm_cfg.solver_info
+    what = (f"{info['knob']} so that its LLM FLOPs per sample ({cfg['match']['text_tokens']} text "
+            f"tokens + its image tokens) equal arm {ref['id']}'s ({info['flops_per_sample_rel']:+.2%})"
+            if ref else f"{info['knob']} (the anchor the other arms' FLOPs per sample match)")
+    header = (f"arm {arm['id']} ({arm['label']}) of {cfg['source']}: the baseline's layers"
+              f"{' with chunking' if lm_cfg.chunking else ''}, {what}. Generated, do not edit.")
+    return lm_cfg, info, header, f"vlm.compare.vlm_match.solve_sample; regenerate: `{cmd}`"
 
 
 def build_presets(cfg: dict, raw: dict, mode: str = "create", preset_dir: Path = PRESET_DIR) -> dict:
@@ -78,6 +100,9 @@ def build_presets(cfg: dict, raw: dict, mode: str = "create", preset_dir: Path =
         if arm["same_as"]:
             src = out[arm["same_as"]]
             lm_cfg, lm_name, info = src["lm_cfg"], src["lm_path"].name, src["solver_info"]
+        elif arm["solve"] == "sample":
+            lm_cfg, info, header, notes = _solve_sample(cfg, arm, base, out, seq_len, cmd)
+            texts[lm_name] = (lm_cfg, header, notes)
         elif arm["solve"] is None:
             lm_cfg, info = base, None
             header = (f"{lm_name[:-5]}: arm {arm['id']} ({arm['label']}) of {cfg['source']}: the plain-MoE "

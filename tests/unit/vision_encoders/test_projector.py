@@ -80,3 +80,81 @@ def test_bad_config_values_name_the_field(kwargs, field):
         ProjectorConfig(**kwargs)
     with pytest.raises(ConfigError, match=rf"^config error: {field}: "):  # the config route: the dotted field
         build(ProjectorConfig, kwargs, "projector.")
+
+
+# --- avg_pool2x2 and prune_topk (issue 40) ---------------------------------------------------------
+def test_avg_pool_equals_avg_pool2d_on_the_grid():
+    import torch.nn.functional as F
+
+    projector = dev(build_projector(ProjectorConfig(kind="linear", merge="avg_pool2x2"), 8, 8, (4, 6)))
+    with torch.no_grad():
+        projector.proj.weight.copy_(torch.eye(8))
+        projector.proj.bias.zero_()
+        x_BPD = dev(torch.randn(2, 24, 8))
+        tokens_BQD = projector(x_BPD)
+    grid_BDHW = x_BPD.transpose(1, 2).reshape(2, 8, 4, 6)
+    expected_BQD = F.avg_pool2d(grid_BDHW, 2).flatten(2).transpose(1, 2)
+    assert tokens_BQD.shape == (2, 6, 8) and projector.output_grid == (2, 3) and projector.num_output_tokens(24) == 6
+    torch.testing.assert_close(tokens_BQD, expected_BQD)
+    with pytest.raises(ValueError, match="even patch grid"):
+        build_projector(ProjectorConfig(merge="avg_pool2x2"), 8, 8, (3, 4))
+
+
+def _identity_prune_projector(keep, grid=(4, 4), dim=4):
+    projector = build_projector(ProjectorConfig(kind="linear", merge="prune_topk", keep=keep), dim, dim, grid)
+    with torch.no_grad():
+        projector.proj.weight.copy_(torch.eye(dim))
+        projector.proj.bias.zero_()
+    return dev(projector)
+
+
+def test_prune_keeps_the_largest_norms_in_raster_order():
+    projector = _identity_prune_projector(keep=5)
+    x_BPD = dev(torch.randn(3, 16, 4))
+    with torch.no_grad():
+        tokens_BKD = projector(x_BPD)
+        kept_BK = projector.keep_indices(x_BPD)
+    assert tokens_BKD.shape == (3, 5, 4) and projector.num_output_tokens(16) == 5
+    norms_BP = x_BPD.norm(dim=-1)
+    for b in range(3):
+        kept = kept_BK[b].tolist()
+        assert kept == sorted(kept)  # original order
+        assert set(kept) == set(norms_BP[b].topk(5).indices.tolist())  # the dominant tokens
+        torch.testing.assert_close(tokens_BKD[b], x_BPD[b, kept])  # zero position embedding at init
+
+
+def test_prune_adds_each_kept_patch_position():
+    projector = _identity_prune_projector(keep=2)
+    with torch.no_grad():
+        projector.pos_embed_PD.copy_(dev(torch.arange(16.0)[:, None].expand(16, 4)))
+        x_BPD = dev(torch.zeros(1, 16, 4))
+        x_BPD[0, 3] = 10.0
+        x_BPD[0, 12] = 20.0
+        tokens_BKD = projector(x_BPD)
+    assert tokens_BKD[0, :, 0].tolist() == [13.0, 32.0]  # patch 3 (10 + pos 3), patch 12 (20 + pos 12)
+
+
+def test_prune_keep_errors():
+    from vlm.modeling.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match=r"projector\.keep: is required with merge 'prune_topk'"):
+        build_projector(ProjectorConfig(merge="prune_topk"), 8, 8, (4, 4))
+    with pytest.raises(ConfigError, match=r"projector\.keep: is required"):
+        build_projector(ProjectorConfig(merge="avg_pool2x2", keep=4), 8, 8, (4, 4))
+    with pytest.raises(ConfigError, match="exceeds the 16 patches"):
+        build_projector(ProjectorConfig(merge="prune_topk", keep=17), 8, 8, (4, 4))
+
+
+@pytest.mark.parametrize(("merge", "keep", "expected"), [("none", None, 64), ("pixel_shuffle2x2", None, 16),
+                                                         ("avg_pool2x2", None, 16), ("prune_topk", 16, 16),
+                                                         ("prune_topk", 11, 11)])
+def test_accountant_image_tokens_and_params(merge, keep, expected):
+    from vlm.flops import image_tokens_per_image, projector_params
+
+    cfg = ProjectorConfig(merge=merge, keep=keep)
+    projector = build_projector(cfg, 64, 32, (8, 8))
+    assert image_tokens_per_image(cfg, (8, 8)) == projector.num_output_tokens(64) == expected
+    assert image_tokens_per_image(cfg.model_dump(), (8, 8)) == expected
+    assert projector_params(cfg, 64, 32, (8, 8)) == sum(p.numel() for p in projector.parameters())
+    with torch.no_grad():
+        assert projector(torch.randn(2, 64, 64)).shape == (2, expected, 32)

@@ -1,0 +1,221 @@
+"""Synthetic glyph scenes for the VLM compression study (issue 40): offline, deterministic from a seed.
+
+Each 32x32 RGB scene (8x8 = 64 patches of the tiny ViT at 4x4) has a 2x2 quadrant layout; each
+quadrant holds a coloured digit, a coloured shape or nothing, at a random offset, drawn small (3x5 px
+font) or large (2x that) on a background of clutter level clean / low / high. Questions by kind:
+identity, position, counting, comparison, reading (two digits left to right), text (no image).
+Every record carries the scene's metadata (clutter, glyph_size, glyphs) so accuracy can be split.
+
+    python -m data_pipelines.scene_data --out data/scenes        (seconds; idempotent, --force rebuilds)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+IMAGE_SIZE = 32
+QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")  # raster order of the 2x2 layout
+COLOURS = {"red": (230, 40, 40), "green": (40, 210, 60), "blue": (60, 90, 240), "yellow": (235, 225, 40),
+           "white": (240, 240, 240)}
+CLUTTER = ("clean", "low", "high")
+SIZES = ("small", "large")
+KINDS = ("identity", "position", "counting", "comparison", "reading", "text")
+SPLITS = {"train": (3000, 1), "val": (150, 2), "test": (400, 3)}  # scenes, seed offset (disjoint streams)
+FONT = {  # 3x5 bitmap digits, rows top to bottom
+    0: ("111", "101", "101", "101", "111"), 1: ("010", "110", "010", "010", "111"),
+    2: ("111", "001", "111", "100", "111"), 3: ("111", "001", "111", "001", "111"),
+    4: ("101", "101", "111", "001", "001"), 5: ("111", "100", "111", "001", "111"),
+    6: ("111", "100", "111", "101", "111"), 7: ("111", "001", "010", "010", "010"),
+    8: ("111", "101", "111", "101", "111"), 9: ("111", "101", "111", "001", "111"),
+}
+SHAPES = {  # 5x5 bitmaps
+    "square": ("11111", "10001", "10001", "10001", "11111"), "cross": ("00100", "00100", "11111", "00100", "00100"),
+    "triangle": ("00100", "01010", "01010", "10001", "11111"), "diamond": ("00100", "01010", "10001", "01010", "00100"),
+}
+
+
+def glyph_bitmap(glyph: dict) -> np.ndarray:
+    """Bool[h, w] of a glyph at its scale (1 = small, 2 = large)."""
+    rows = FONT[glyph["digit"]] if glyph["type"] == "digit" else SHAPES[glyph["shape"]]
+    bm = np.array([[c == "1" for c in r] for r in rows], dtype=bool)
+    s = glyph["scale"]
+    return np.kron(bm, np.ones((s, s), dtype=bool))
+
+
+def sample_scene(rng: np.random.Generator) -> dict:
+    """Scene metadata: clutter, glyph size and one entry per quadrant (None = empty); >= 2 digits."""
+    clutter = CLUTTER[int(rng.integers(len(CLUTTER)))]
+    size = SIZES[int(rng.integers(len(SIZES)))]
+    scale = 1 if size == "small" else 2
+    while True:
+        types = [rng.choice(["digit", "shape", "none"], p=[0.55, 0.3, 0.15]) for _ in QUADRANTS]
+        if sum(t == "digit" for t in types) >= 2:
+            break
+    glyphs = []
+    for q, t in enumerate(types):
+        if t == "none":
+            glyphs.append(None)
+            continue
+        g = {"quadrant": QUADRANTS[q], "type": str(t), "colour": list(COLOURS)[int(rng.integers(len(COLOURS)))],
+             "scale": scale}
+        if t == "digit":
+            g["digit"] = int(rng.integers(10))
+        else:
+            g["shape"] = list(SHAPES)[int(rng.integers(len(SHAPES)))]
+        h, w = glyph_bitmap(g).shape
+        half = IMAGE_SIZE // 2
+        g["y"] = (q // 2) * half + int(rng.integers(0, half - h + 1))
+        g["x"] = (q % 2) * half + int(rng.integers(0, half - w + 1))
+        g["h"], g["w"] = h, w
+        glyphs.append(g)
+    return {"clutter": clutter, "glyph_size": size, "glyphs": glyphs,
+            "background_seed": int(rng.integers(2**31))}
+
+
+def render(scene: dict) -> np.ndarray:
+    """uint8[32, 32, 3]: background clutter (dim grey / dim colour specks, never as bright as a glyph),
+    then the glyphs in their colours."""
+    rng = np.random.default_rng(scene["background_seed"])
+    img = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 20, dtype=np.uint8)
+    level = CLUTTER.index(scene["clutter"])
+    if level:
+        density = (0.12, 0.35)[level - 1]
+        specks = rng.random((IMAGE_SIZE, IMAGE_SIZE)) < density
+        tint = rng.integers(40, 110, size=(IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.int64).astype(np.uint8)
+        img[specks] = tint[specks]
+        if level == 2:  # dim streaks across quadrants
+            for _ in range(3):
+                r = int(rng.integers(IMAGE_SIZE))
+                img[r, :, :] = rng.integers(50, 100, size=3)
+    for g in scene["glyphs"]:
+        if g is None:
+            continue
+        bm = glyph_bitmap(g)
+        patch = img[g["y"]:g["y"] + g["h"], g["x"]:g["x"] + g["w"]]
+        patch[bm] = COLOURS[g["colour"]]
+    return img
+
+
+def _digits(scene: dict) -> list[dict]:
+    return [g for g in scene["glyphs"] if g is not None and g["type"] == "digit"]
+
+
+def questions(scene: dict, rng: np.random.Generator) -> list[tuple[str, str, str]]:
+    """(kind, question, answer) for one scene: one of each image kind that the scene supports."""
+    out = []
+    digits = _digits(scene)
+    g = digits[int(rng.integers(len(digits)))]
+    out.append(("identity", f"Which digit is in the {g['quadrant']}?", str(g["digit"])))
+    unique = [d for d in digits if sum(e["digit"] == d["digit"] for e in digits) == 1]
+    if unique:
+        g = unique[int(rng.integers(len(unique)))]
+        out.append(("position", f"Where is the {g['digit']}?", g["quadrant"]))
+    if rng.random() < 0.5:
+        n = len(digits)
+        out.append(("counting", "How many digits are there?", str(n)))
+    else:
+        colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
+        n = sum(1 for e in scene["glyphs"] if e is not None and e["colour"] == colour)
+        out.append(("counting", f"How many {colour} glyphs are there?", str(n)))
+    distinct = [(a, b) for i, a in enumerate(digits) for b in digits[i + 1:] if a["digit"] != b["digit"]]
+    if distinct:
+        a, b = distinct[int(rng.integers(len(distinct)))]
+        if rng.random() < 0.5:
+            a, b = b, a
+        bigger = a if a["digit"] > b["digit"] else b
+        out.append(("comparison", f"Which digit is larger, the {a['quadrant']} or the {b['quadrant']}?",
+                    bigger["quadrant"]))
+    rows = [(row, [scene["glyphs"][2 * i], scene["glyphs"][2 * i + 1]]) for i, row in enumerate(("top", "bottom"))]
+    rows = [(row, pair) for row, pair in rows if all(p is not None and p["type"] == "digit" for p in pair)]
+    if rows:
+        row, (left, right) = rows[int(rng.integers(len(rows)))]
+        out.append(("reading", f"What number do the {row} digits read?", f"{left['digit']}{right['digit']}"))
+    return out
+
+
+def text_question(rng: np.random.Generator) -> tuple[str, str, str]:
+    """The text-only control: the same comparison skill with no image."""
+    a, b = (int(x) for x in rng.choice(10, size=2, replace=False))
+    return "text", f"Which is larger, {a} or {b}?", str(max(a, b))
+
+
+def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: float = 0.15) -> list[dict]:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(out, "images", "scenes"), exist_ok=True)
+    records = []
+    for i in range(n_scenes):
+        scene = sample_scene(rng)
+        name = f"scenes/{split}-{i}.png"
+        Image.fromarray(render(scene), mode="RGB").save(os.path.join(out, "images", name))
+        meta = {"clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
+                "glyphs": scene["glyphs"], "background_seed": scene["background_seed"]}
+        for kind, question, answer in questions(scene, rng):
+            records.append({"id": f"{split}-{i}-{kind}", "kind": kind, "image": name,
+                            "clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
+                            "group": f"{kind}|{scene['clutter']}|{scene['glyph_size']}", "scene": meta,
+                            "conversations": [{"from": "human", "value": f"<image>\n{question}"},
+                                              {"from": "gpt", "value": answer}]})
+        if rng.random() < text_share * 5:  # ~text_share of the records (about 5 image questions a scene)
+            kind, question, answer = text_question(rng)
+            records.append({"id": f"{split}-{i}-text", "kind": kind, "clutter": "none", "glyph_size": "none",
+                            "group": "text|none|none",
+                            "conversations": [{"from": "human", "value": question},
+                                              {"from": "gpt", "value": answer}]})
+    order = np.random.default_rng(seed + 1000).permutation(len(records))  # kinds interleaved in file order
+    return [records[int(j)] for j in order]
+
+
+def build(out: str, seed: int = 0, sizes: dict | None = None, force: bool = False, quiet: bool = False) -> dict | None:
+    """Write ``scenes_{train,val,test}.json`` + ``images/scenes/`` into ``out`` (``.built`` last); the counts,
+    or None when already built. ``sizes``: {split: number of scenes} (default ``SPLITS``)."""
+    out = os.path.abspath(out)
+    if os.path.isfile(os.path.join(out, ".built")) and not force:
+        return None
+    staging = f"{out}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    counts = {}
+    try:
+        for split, (n, offset) in SPLITS.items():
+            n = (sizes or {}).get(split, n)
+            records = build_split(staging, split, n, seed * 100 + offset)
+            with open(os.path.join(staging, f"scenes_{split}.json"), "w", encoding="utf-8") as f:
+                json.dump(records, f, indent=0)
+            counts[split] = {"scenes": n, "records": len(records),
+                             "kinds": {k: sum(r["kind"] == k for r in records) for k in KINDS}}
+        with open(os.path.join(staging, "manifest.json"), "w", encoding="utf-8") as f:
+            json.dump({"seed": seed, "image_size": IMAGE_SIZE, "counts": counts}, f, indent=1)
+        with open(os.path.join(staging, ".built"), "w") as f:
+            f.write(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(staging, out)
+    if not quiet:
+        print(f"built {out}: " + ", ".join(f"{s}={c['records']} records/{c['scenes']} scenes" for s, c in counts.items()))
+    return counts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="data/scenes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args(argv)
+    if build(args.out, seed=args.seed, force=args.force) is None:
+        print(f"{args.out} is already built (found .built); nothing to do")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
