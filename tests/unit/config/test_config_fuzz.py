@@ -251,6 +251,7 @@ VLM_RULES = {
     "projector": NOT_MAPPING,
     "projector.kind": not_one_of(PROJECTOR_KINDS),
     "projector.merge": not_one_of(PROJECTOR_MERGES),
+    "projector.keep": below(1, nullable=True),
     "text_preset": st.one_of(*_WRONG["str"], st.just(""), st.text("abcxyz", min_size=1, max_size=8).map(
         lambda s: f"missing_{s}.yaml")),
     "text": NOT_MAPPING,
