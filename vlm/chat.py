@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     try:
         return run(session, terminal_lines() if interactive else sys.stdin, interactive, args.show_concepts)
     except KeyboardInterrupt:  # Ctrl-C: stop a reply being generated and leave
-        session.stop.set()
+        session.interrupt()
         print(file=sys.stderr)
         return 0
 

@@ -49,6 +49,7 @@ class ChatSession:
         else:  # greedy: the export's generation config may hold sampling defaults, which would warn
             self.options.update(temperature=None, top_p=None, top_k=None)
         self.stop = threading.Event()
+        self.worker: threading.Thread | None = None  # the generation thread of the reply being written
         self.messages: list[dict] = []  # HF messages; user content as parts (images first, then text)
         self.images: list = []  # PIL images of the history, in placeholder order
         self.pending: list = []  # attached, not yet sent
@@ -92,6 +93,13 @@ class ChatSession:
         batch = self.processor(text=self.prompt_text(text), images=images or None, chat=False)
         return {k: (v.to(self.device) if v is not None else None) for k, v in batch.items()}
 
+    def interrupt(self, timeout: float = 60.0) -> None:
+        """Stop the reply being generated and wait for its thread: the process may then exit (a thread
+        left inside torch at exit aborts it: 'terminate called without an active exception')."""
+        self.stop.set()
+        if self.worker is not None:
+            self.worker.join(timeout)
+
     def send(self, text: str, on_text=lambda piece: None) -> str:
         """Generate the reply to user turn ``text``: ``on_text`` gets each streamed piece; the turn and
         the reply join the history, and the whole reply (special tokens skipped) is returned."""
@@ -110,7 +118,7 @@ class ChatSession:
                 result["error"] = err
                 streamer.end()
 
-        worker = threading.Thread(target=run, name="chat-generate", daemon=True)
+        worker = self.worker = threading.Thread(target=run, name="chat-generate", daemon=True)
         worker.start()
         for piece in streamer:
             on_text(piece)
