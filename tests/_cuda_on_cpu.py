@@ -207,7 +207,36 @@ class _CaptureMode(HostReadMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class CaptureRules:
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: ``capture`` records without running (so the warm-up step before
+    it must have done that step's work) and the addresses of every tensor the step holds; ``replay``
+    runs the step again and fails if any of those tensors moved (a real graph would write the old ones)."""
+    captures = 0
+
+    def __init__(self, run):
+        FakeGraph.captures += 1
+        self.run, self.ptrs = run, self._ptrs(run)
+
+    @staticmethod
+    def _held(run) -> dict:
+        _, state, io = run.args
+        return {**state_tensors(state), **io}
+
+    @classmethod
+    def _ptrs(cls, run) -> dict:
+        """(only the concept graph reads the concept caches: the others may outlive their growth)"""
+        from vlm.modeling import decode_graph
+        held = cls._held(run)
+        if run.func is not decode_graph.concept_graph:
+            held = {k: t for k, t in held.items() if not k.startswith("concept_caches")}
+        return {k: t.data_ptr() for k, t in held.items()}
+
+    def replay(self):
+        assert self._ptrs(self.run) == self.ptrs, "a captured buffer moved"
+        self.run()
+
+
+class CaptureRules(FakeGraph):
     """``decode_graph.capture``'s stand-in: a CUDA graph's contract on the CPU. ``capture`` runs the phase
     once under the rules (a real capture records the kernels this run issues) and puts every held tensor's
     values back (a real capture runs nothing): no host read, no fp32 grouped GEMM, and every tensor of the
@@ -229,20 +258,3 @@ class CaptureRules:
         for k, t in held.items():
             t.copy_(saved[k])
         self.ptrs = self._ptrs(run)
-
-    @staticmethod
-    def _held(run) -> dict:
-        _, state, io = run.args
-        return {**state_tensors(state), **io}
-
-    @classmethod
-    def _ptrs(cls, run) -> dict:
-        from vlm.modeling import decode_graph
-        held = cls._held(run)
-        if run.func is not decode_graph.concept_graph:
-            held = {k: t for k, t in held.items() if not k.startswith("concept_caches")}
-        return {k: t.data_ptr() for k, t in held.items()}
-
-    def replay(self):
-        assert self._ptrs(self.run) == self.ptrs, "a captured buffer moved"
-        self.run()

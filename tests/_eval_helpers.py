@@ -50,6 +50,15 @@ def make_tiny_checkpoint(out_dir: str | os.PathLike, tokenizer_dir: str | os.Pat
     return out_dir
 
 
+def tiny_export(root: str | os.PathLike, seed: int = 0) -> str:
+    """``make_tiny_checkpoint`` at ``root/export`` with the tiny tokenizer built at ``root/tok``."""
+    from _data_helpers import tiny_tokenizer
+
+    root = Path(root)
+    tiny_tokenizer(str(root / "tok"))
+    return make_tiny_checkpoint(root / "export", root / "tok", seed)
+
+
 # ----- made once per pytest session, under its base temp dir -----
 def default_data_dir(tmp_path_factory) -> str:
     """The repo's built ``data/default`` (``make test`` builds it first), else a session-built copy."""

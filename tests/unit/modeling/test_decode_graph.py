@@ -15,10 +15,11 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from vlm.modeling import decode_graph, generation
-from vlm.modeling.cache import ConceptCache, state_tensors
+from vlm.modeling.cache import ConceptCache
 from vlm.modeling.hf_features import generation_cache_key, returned_cache
 
 from _device import cuda_only, dev, require_test_device  # noqa: F401
+from _cuda_on_cpu import FakeGraph
 from conftest import build_model, decisive, left_padded, randomise_joint
 
 pytestmark = pytest.mark.device
@@ -166,30 +167,6 @@ def test_decode_mode_is_checked():
     if ids.device.type != "cuda":
         with pytest.raises(ValueError, match="decode='cudagraph' captures CUDA graphs: the model is on cpu"):
             model.generate(ids, max_new_tokens=2, decode="cudagraph")
-
-
-class FakeGraph:
-    """A CUDA graph's contract on the CPU: ``capture`` records without running (so the warm-up step before
-    it must have done that step's work) and the addresses of every tensor the step holds; ``replay``
-    runs the step again and fails if any of those tensors moved (a real graph would write the old ones)."""
-    captures = 0
-
-    def __init__(self, run):
-        FakeGraph.captures += 1
-        self.run, self.ptrs = run, self._ptrs(run)
-
-    @staticmethod
-    def _ptrs(run) -> dict:
-        """(only the concept graph reads the concept caches: the others may outlive their growth)"""
-        _, state, io = run.args
-        held = {**state_tensors(state), **io}
-        if run.func is not decode_graph.concept_graph:
-            held = {k: t for k, t in held.items() if not k.startswith("concept_caches")}
-        return {k: t.data_ptr() for k, t in held.items()}
-
-    def replay(self):
-        assert self._ptrs(self.run) == self.ptrs, "a captured buffer moved"
-        self.run()
 
 
 @pytest.mark.parametrize("merge", ["last", "sum"])

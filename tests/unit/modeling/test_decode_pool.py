@@ -2,7 +2,7 @@
 
 A second call of another prompt length and ``max_new_tokens`` in the same capacity bucket compiles
 nothing ("compiled", counted on dynamo's eager backend) and captures nothing ("cudagraph" on the CPU
-with test_decode_graph.py's ``FakeGraph``, which fails when a captured buffer moves); a state still
+with tests/_cuda_on_cpu.py's ``FakeGraph``, which fails when a captured buffer moves); a state still
 held (a returned cache) keeps its tensors when another call takes the step; a move or dtype change
 and ``release_decode_graphs`` free the steps; CUDA graphs on CUDA refuse fp32 in one line; and what
 docs/performance.md says about identical tokens (fp32) and near-ties (bf16).
@@ -18,7 +18,8 @@ from vlm.modeling.hf_features import generation_cache_key, returned_cache
 
 from _device import dev, require_test_device  # noqa: F401
 from conftest import build_model, left_padded
-from test_decode_graph import GRAPHS, FakeGraph, _model, counter  # noqa: F401 (counter: a fixture)
+from _cuda_on_cpu import FakeGraph
+from test_decode_graph import GRAPHS, _model, counter  # noqa: F401 (counter: a fixture)
 
 PRESETS = ["tiny", "tiny_concept"]
 

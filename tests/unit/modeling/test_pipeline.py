@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
-from _data_helpers import tiny_tokenizer
-from _eval_helpers import make_tiny_checkpoint
+from _eval_helpers import tiny_export
 
 import vlm.modeling.processing_conceptmoe_vl  # noqa: F401 - registers the processor with AutoProcessor
 from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
@@ -21,8 +20,7 @@ QUESTION = "What digit is this?"
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    tiny_tokenizer(str(root / "tok"))
-    return make_tiny_checkpoint(root / "export", root / "tok")
+    return tiny_export(root)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import time
 
 import httpx
 import pytest
-from _data_helpers import tiny_tokenizer
-from _eval_helpers import make_tiny_checkpoint
+from _eval_helpers import tiny_export
 from _serve import data_url, digit_png, load_export, serving
 from PIL import Image
 
@@ -25,8 +24,7 @@ CAPACITY = 96
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_err")
-    tiny_tokenizer(str(root / "tok"))
-    return load_export(make_tiny_checkpoint(root / "export", root / "tok"))
+    return load_export(tiny_export(root))
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import concurrent.futures
 import time
 
 import pytest
-from _data_helpers import tiny_tokenizer
-from _eval_helpers import make_tiny_checkpoint
+from _eval_helpers import tiny_export
 from _serve import data_url, digit_png, load_export, serving
 
 from vlm.serving.engine import Engine
@@ -21,8 +20,7 @@ KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    tiny_tokenizer(str(root / "tok"))
-    return make_tiny_checkpoint(root / "export", root / "tok")
+    return tiny_export(root)
 
 
 @pytest.fixture(scope="module")
