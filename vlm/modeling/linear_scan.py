@@ -59,9 +59,11 @@ def scan_torch_reverse(a_BM: torch.Tensor, x_BMD: torch.Tensor, block: int = BLO
     return scan_torch(a_rev, x_BMD.flip(1), block).flip(1)
 
 
-def triton_usable(t: torch.Tensor) -> bool:
-    """The Triton kernel runs on CUDA tensors when triton imports."""
-    return t.is_cuda and importlib.util.find_spec("triton") is not None
+def auto_impl(device_type: str, table: dict | None = None) -> str:
+    """``auto``'s scan on ``device_type``: the Triton kernel on CUDA where triton imports and the GPU check
+    measured it correct and faster (verdict ``ema_scan_triton``), else the torch chunked scan."""
+    usable = device_type == "cuda" and importlib.util.find_spec("triton") is not None
+    return "triton" if usable and proven("ema_scan_triton", table) else "torch"
 
 
 _told: set[str] = set()
@@ -75,7 +77,7 @@ def _say_once(msg: str) -> None:
 
 def scan(a_BM: torch.Tensor, x_BMD: torch.Tensor, reverse: bool, impl: str, block: int = BLOCK) -> torch.Tensor:
     if impl == "auto":
-        impl = "triton" if triton_usable(x_BMD) and proven("ema_scan_triton") else "torch"
+        impl = auto_impl(x_BMD.device.type)
         if x_BMD.is_cuda and impl == "torch":
             _say_once("dechunk EMA: the torch chunked scan runs on CUDA (auto: the Triton scan is not importable or "
                       "not yet measured correct and faster by the GPU check, vlm/modeling/gpu_verdicts.json)")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, ValidationError, field_validator
 
 from .config_base import NonNegInt, Section, build, check, error_from
+from .linear_scan import auto_impl
 from .verdicts import proven
 
 CAPACITIES = ("auto", "tokens", "exact")
@@ -78,7 +79,7 @@ def scan_impl(opts: RuntimeOptions, device_type: str, table: dict | None = None)
     """The EMA scan to run on ``device_type``: torch | triton (``auto`` resolved, see ``RuntimeOptions``)."""
     if opts.ema_scan != "auto":
         return opts.ema_scan
-    return "triton" if device_type == "cuda" and proven("ema_scan_triton", table) else "torch"
+    return auto_impl(device_type, table)
 
 
 def resolved(opts: RuntimeOptions, device_type: str, table: dict | None = None) -> str:
