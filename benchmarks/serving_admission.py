@@ -24,7 +24,7 @@ from benchmarks.model_pair import MODEL_CONFIGS, build_model, load_pair, random_
 REQUEST_LEN = 8192  # the issue's long requests
 BUDGET_MOE_REQUESTS = 32  # the budget: this many MoE requests' bytes
 TARGET = 1.8  # issue 41 item 6: ConceptMoE admits >= 1.8x the MoE's concurrent requests at R = 2
-MAX_ROWS = 128  # the engine's row bound, above every planned count (the KV budget is what binds)
+EXTRA_REQUESTS = 4  # requests beyond the planned count: the budget, not the supply, must bind
 _SPEED = f"{MODEL_CONFIGS / 'bench_moe_top8.yaml'}"
 # (label, load_pair spec): the CPU benchmark pair, the project's paper-shaped speed pair, the paper-like
 # 12B pair, and the "1L" shape (L_E = L_D = 1) at the speed pair's depth, solved by vlm.flops.solve_match
@@ -85,10 +85,11 @@ def plan_layouts(dtype: torch.dtype, ratio: float = 2.0, strategy: str = "topk",
 def engine_admission(base, con, tokenizer, capacity: int = REQUEST_LEN, budget_requests: int = BUDGET_MOE_REQUESTS,
                      prompt: int = 4, new: int = 2, timeout: float = 600.0) -> dict:
     """The real engine's admission: for each model an ``Engine`` of ``capacity`` token slots with the
-    budget of ``budget_requests`` MoE requests and ``MAX_ROWS`` rows is given more requests than the
-    budget holds (tiny prompts, ``new`` tokens: admission is by capacity, not by length), all waiting
-    before its scheduler starts so that its first admission fills the budget; its peak concurrent rows
-    (``stats["peak_rows"]``) against the planned count, budget // planned bytes."""
+    budget of ``budget_requests`` MoE requests is given ``EXTRA_REQUESTS`` more requests than the budget
+    holds, and as many rows (so rows never bind: only the budget can stop it), tiny prompts and ``new``
+    tokens (admission is by capacity, not by length), all waiting before its scheduler starts so that its
+    first admission fills the budget; its peak concurrent rows (``stats["peak_rows"]``) against the
+    planned count, budget // planned bytes."""
     from vlm.serving.engine import Engine, planned_bytes
     from vlm.serving.request import Params, Request
     budget = budget_requests * planned_bytes(base, capacity)
@@ -96,10 +97,8 @@ def engine_admission(base, con, tokenizer, capacity: int = REQUEST_LEN, budget_r
     out = {"capacity": capacity, "budget_bytes": budget}
     for name, model in (("moe", base), ("concept", con)):
         planned = budget // planned_bytes(model, capacity)
-        if planned >= MAX_ROWS:
-            raise ValueError(f"{name}: {planned} requests fit the budget; the engine's row bound is {MAX_ROWS}")
-        n = planned + 4
-        engine = Engine(model, tokenizer, capacity=capacity, max_rows=MAX_ROWS, max_queue=n, kv_budget=budget)
+        n = planned + EXTRA_REQUESTS
+        engine = Engine(model, tokenizer, capacity=capacity, max_rows=n, max_queue=n, kv_budget=budget)
         reqs = [engine.submit(Request(random_ids(1, prompt, vocab, model.device, seed=500 + i), None,
                                       Params(max_tokens=new))) for i in range(n)]
         t0 = time.perf_counter()
