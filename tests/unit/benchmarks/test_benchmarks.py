@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from benchmarks import (
-    attention, dechunk, decode, expert_parallel, inference, moe, prefill, run_all, serving, train, train_packed,
-    vs_transformers,
+    attention, dechunk, decode, expert_parallel, inference, moe, prefill, run_all, serving, serving_admission, train,
+    train_packed, vs_transformers,
 )
 from benchmarks.inference_modes import Mode
 from benchmarks.cli import parse_sizes
@@ -438,5 +438,10 @@ def test_serving_smoke(out_dir):
         assert r["engine"]["tokens"] == r["sequential"]["tokens"] == r["static_batch"]["tokens"]
         assert r["engine"]["peak_rows"] == r["concurrency"]  # the engine batched every request
     adm = d["admission"]
-    assert adm["concept_bytes"] < adm["moe_bytes"] and adm["concept_admitted"] > adm["moe_admitted"]
-    assert [t["target"] for t in d["targets"]] == [4.0, 1.8]
+    run_pair, e = adm["run_pair"], adm["engine"]
+    assert run_pair["concept_bytes"] < run_pair["moe_bytes"] and run_pair["concept_admitted"] > run_pair["moe_admitted"]
+    for k in ("moe", "concept"):  # the engine admitted exactly the planned rows of the run's pair
+        assert e[k]["peak_rows"] == e[k]["planned"] == run_pair[f"{k}_admitted"]
+    assert [r["layout"] for r in adm["layouts"]] == [label for label, _ in serving_admission.LAYOUTS]
+    assert [t["target"] for t in d["targets"]] == [4.0] + [1.8] * (1 + len(adm["layouts"]))
+    assert d["targets"][1]["value"] == e["peak_ratio"]  # the target row: the run's pair, engine-measured
