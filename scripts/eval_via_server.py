@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import secrets
@@ -130,13 +129,6 @@ def reply(row: dict) -> str:
     return value[0] if isinstance(value, list) else value
 
 
-def task_utils():
-    spec = importlib.util.spec_from_file_location("cmoe_digits_utils", TASKS_DIR / "cmoe_digits" / "utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def score(results: dict, task: str) -> tuple[str, float]:
     metrics = results["results"][task]
     key = next(k for k in metrics if k.endswith(",none") and "_stderr" not in k)
@@ -145,7 +137,8 @@ def score(results: dict, task: str) -> tuple[str, float]:
 
 def compare(args, runs: dict) -> dict:
     """Per task: each run's score, and the replies (cut at the stop strings: what is scored) that agree."""
-    cut = task_utils().cut_at_stops
+    from eval_suites.tasks.cmoe_digits.utils import cut_at_stops as cut
+
     summary = {}
     for task in args.tasks:
         entry = {}

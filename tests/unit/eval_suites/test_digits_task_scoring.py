@@ -3,8 +3,6 @@ model that does not apply ``until`` (lmms-eval's ``openai`` model behind a serve
 ``cmoe_digits_mc_gen`` scores a generated choice."""
 from __future__ import annotations
 
-import importlib.util
-
 import yaml
 
 from eval_suites.common import TASKS_DIR
@@ -13,10 +11,9 @@ TASK_DIR = TASKS_DIR / "cmoe_digits"
 
 
 def _utils():
-    spec = importlib.util.spec_from_file_location("cmoe_digits_utils", TASK_DIR / "utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from eval_suites.tasks.cmoe_digits import utils
+
+    return utils
 
 
 class _TagLoader(yaml.SafeLoader):
