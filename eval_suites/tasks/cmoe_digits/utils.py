@@ -7,6 +7,10 @@ does it for you). The YAMLs read ``VQA_DATA_FILES`` / ``MC_DATA_FILES`` through 
 ``!function`` tag, which imports a module attribute relative to the YAML; here the attribute is
 the ``data_files`` mapping handed to ``datasets.load_dataset("parquet", data_files=...)``,
 resolved when the task config is loaded.
+
+Scoring honours the tasks' stop strings (``STOP_STRINGS``, the YAMLs' ``until``) on the reply itself: the
+``conceptmoe_vlm`` plugin stops there already, but lmms-eval's ``openai`` model neither sends ``until``
+as ``stop`` nor cuts the reply, so without this a server's answer would be scored past the stop.
 """
 from __future__ import annotations
 
@@ -44,6 +48,18 @@ def doc_to_text(doc, lmms_eval_specific_kwargs=None):
     return f"{kwargs.get('pre_prompt', '')}{doc['question']}{kwargs.get('post_prompt', '')}"
 
 
+# ----- replies: cut at the tasks' stop strings -----
+STOP_STRINGS = ("<|end|>", "\n")  # = generation_kwargs.until of the generation YAMLs (a test holds them equal)
+
+
+def cut_at_stops(text: str) -> str:
+    """The reply up to its first stop string (the ``until`` a model may not have applied)."""
+    text = str(text)
+    for stop in STOP_STRINGS:
+        text = text.split(stop)[0]
+    return text
+
+
 # ----- VQA: exact match -----
 def normalize_answer(text: str) -> str:
     """Lower case, surrounding whitespace and trailing punctuation removed, inner spaces squeezed."""
@@ -52,7 +68,7 @@ def normalize_answer(text: str) -> str:
 
 
 def vqa_process_results(doc, results):
-    prediction = results[0] if results else ""
+    prediction = cut_at_stops(results[0] if results else "")
     hit = float(normalize_answer(prediction) == normalize_answer(doc["answer"]))
     return {"exact_match": hit}
 
@@ -64,3 +80,14 @@ def mc_doc_to_choice(doc):
 
 def mc_doc_to_target(doc):
     return int(doc["label"])
+
+
+# ----- multiple choice as generation (cmoe_digits_mc_gen): models without loglikelihood -----
+def mc_gen_doc_to_target(doc):
+    return str(doc["choices"][int(doc["label"])])
+
+
+def mc_gen_process_results(doc, results):
+    """acc = the generated reply (cut at the stop strings, normalised) is the labelled choice."""
+    prediction = normalize_answer(cut_at_stops(results[0] if results else ""))
+    return {"acc": float(prediction == normalize_answer(mc_gen_doc_to_target(doc)))}
