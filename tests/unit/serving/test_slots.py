@@ -68,6 +68,29 @@ def test_rows_across_bucket_edges_decode_as_alone(tiny_model, preset):
     assert engine.held_bytes() == 0 and not engine.active
 
 
+def test_an_empty_slot_for_longer_than_the_capacity(tiny_model, make_decisive):
+    """Three rows kept active (a stream of requests refilling the freed slots) in bucket 4 for more steps
+    in a row than the capacity: its fourth slot stays empty all along, decoding the pad token, and its
+    lengths are reset before they fill its caches; every answer equals the request alone."""
+    model = make_decisive(tiny_model("tiny_concept"))
+    engine = Engine(model, NumberTokenizer(), capacity=48, max_rows=4)
+    n = 60
+    ids = prompts(n, seed=7)
+    lengths = [int(x) for x in torch.randint(4, 16, (n,), generator=torch.Generator().manual_seed(1))]
+    reqs, run, longest = [], 0, 0
+    while len(reqs) < n:
+        while len(engine.active) + len(engine.waiting) < 3 and len(reqs) < n:
+            reqs.append(engine.submit(Request(ids[len(reqs)], None, Params(max_tokens=lengths[len(reqs)]))))
+        engine.tick()
+        assert engine.slots.reqs[3] is None
+        run = run + 1 if engine.slots.bucket == 4 else 0  # (0: the table emptied, every slot reset)
+        longest = max(longest, run)
+    while engine.busy:
+        engine.tick()
+    assert longest > engine.slots.pool.token_caches[0].capacity, longest  # (64: the capacity bucket of 48)
+    assert [r.tokens for r in reqs] == [alone(model, r.input_ids, r.params.max_tokens) for r in reqs]
+
+
 @pytest.fixture
 def capture_standin(monkeypatch):
     """"graphs" on the CPU: warm-up runs the phase, ``CaptureRules`` captures it (counted, under the
