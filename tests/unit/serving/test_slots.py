@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cuda_on_cpu import CaptureRules
+from conftest import decisive, randomise_joint
+from test_engine import NumberTokenizer, alone, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlm.modeling import decode_graph, generation
@@ -14,10 +17,6 @@ from vlm.modeling.verdicts import unmeasured
 from vlm.serving.engine import Engine
 from vlm.serving.request import Params, Request
 from vlm.serving.slots import buckets, step_mode
-
-from _cuda_on_cpu import CaptureRules
-from conftest import decisive, randomise_joint
-from test_engine import NumberTokenizer, alone, prompts
 
 
 def drive(engine, waves, until_active=None):
