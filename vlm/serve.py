@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-image-mb", type=float, default=10.0, help="largest image accepted")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--decode", default=None, choices=("eager", "graphs"),
+                    help="the fixed-shape decode step per batch bucket: run eagerly, or captured as CUDA graphs "
+                    "(CUDA, bfloat16); default: graphs only where the GPU check proved them (gpu_verdicts.json)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap.parse_args(argv)
 
@@ -82,7 +85,7 @@ def main(argv=None) -> None:
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
     try:
         engine = Engine(model, processor.tokenizer, args.max_model_len, args.max_num_seqs, args.max_queue, budget,
-                        eos_ids=[e for e in eos if e is not None])
+                        eos_ids=[e for e in eos if e is not None], decode=args.decode)
     except ValueError as e:
         fail(str(e))
     name = args.served_model_name or Path(args.model).resolve().name
@@ -91,8 +94,9 @@ def main(argv=None) -> None:
                      request_timeout=args.request_timeout or None)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            lifespan="off"), engine)
-    log.info("serving %s on http://%s:%d (KV %d B per request, budget %d B, api key %s)", name, args.host,
-             args.port, engine.request_bytes, engine.kv_budget, "required" if api_key else "off")
+    log.info("serving %s on http://%s:%d (KV %d B per request, budget %d B, %d rows, decode %s, api key %s)", name,
+             args.host, args.port, engine.request_bytes, engine.kv_budget, engine.slots.rows, engine.decode,
+             "required" if api_key else "off")
     engine.start()
     try:
         server.run()

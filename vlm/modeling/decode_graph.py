@@ -69,9 +69,11 @@ class StaticStep:
     docstring): a state of its own (``slot``: every buffer the graphs read or write, token caches of
     ``capacity`` slots) and ``io``, on which the graphs are compiled or captured once. A decoding state
     ``adopt``s it (copied in, then sharing the slot's buffers) at its first step; the state that held it
-    before gets copies of its own."""
+    before gets copies of its own. ``in_place``: ``state``'s own buffers are the slot (no copy; its owner
+    keeps them where no other state adopts them: the serving engine's slot table, vlm/serving/slots.py)."""
 
-    def __init__(self, model: ConceptMoEModel, state: DecodeState, capacity: int | None = None):
+    def __init__(self, model: ConceptMoEModel, state: DecodeState, capacity: int | None = None,
+                 in_place: bool = False):
         cfg = model.cfg
         self.model = model
         self.compiled = state.decode == "compiled"
@@ -79,13 +81,18 @@ class StaticStep:
         if self.compiled and not self.cuda:
             log.info("decode='compiled' on %s: torch.compile with inductor's default mode (no CUDA graph there)",
                      state.next_pos_B.device.type)
-        capacity = capacity or capacity_bucket(state.token_caches[0].capacity)
-        slot = self.slot = DecodeState([_empty_cache(c, capacity) for c in state.token_caches],
-                                       [_empty_cache(c, c.capacity) for c in state.concept_caches])
-        for name in CARRY:  # buffers of its own (the prefill's may be views of its inputs)
-            t = getattr(state, name)
-            setattr(slot, name, None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format))
-        slot.decode = state.decode
+        if in_place:
+            slot = self.slot = state
+            for cache in slot.token_caches + slot.concept_caches:
+                cache.static = True
+        else:
+            capacity = capacity or capacity_bucket(state.token_caches[0].capacity)
+            slot = self.slot = DecodeState([_empty_cache(c, capacity) for c in state.token_caches],
+                                           [_empty_cache(c, c.capacity) for c in state.concept_caches])
+            for name in CARRY:  # buffers of its own (the prefill's may be views of its inputs)
+                t = getattr(state, name)
+                setattr(slot, name, None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format))
+            slot.decode = state.decode
         B, D, dev = state.next_pos_B.shape[0], cfg.hidden_size, state.next_pos_B.device
         dtype = model.embed_tokens.weight.dtype
         head_dim = cfg.head_dim or D // cfg.num_attention_heads
@@ -100,7 +107,10 @@ class StaticStep:
                            weight=torch.zeros(B, dtype=torch.float32, device=dev))
         self.owner = lambda: None  # the state holding the slot (a weak reference)
         self._captured: dict = {}  # "cudagraph": phase graph -> its CUDAGraph, or None once warmed up
-        self.adopt(state)
+        if in_place:
+            state.runner, self.owner = self, weakref.ref(state)
+        else:
+            self.adopt(state)
         self._concept_k = slot.concept_caches[0].k if slot.concept_caches else None
         self._mark_static(all_of_it=True)
 

@@ -1,14 +1,18 @@
-"""The serving engine: continuous batching over per-row token and concept caches.
+"""The serving engine: continuous batching over a slot table of token and concept caches.
 
-Requests wait in a bounded queue (full: ``EngineError`` 429). One scheduler thread loops: admit waiting
-requests while the KV budget allows (prefilled in left-padded groups on a ``DecodeState`` of the
-engine's token capacity, prefill.py, then joined to the running batch: rows.join_rows), run one decode
-step over every active row, sample, stream each row's new text, and drop the rows that finished, were cancelled (a
-disconnected client) or timed out (rows.keep_rows). Admission counts the bytes a request's caches are
-allocated at (``planned_bytes``): the ConceptMoE's concept caches hold ~capacity / R slots, so under one
-budget it admits more rows than its matched MoE. Decode steps run eagerly (fixed-shape captured steps
-per batch bucket are not wired here). Each step reads the device once: the sampled tokens and the
-concept caches' lengths (achieved R), which the host needs to stream text.
+Requests wait in a bounded queue (full: ``EngineError`` 429). One scheduler thread loops (``tick``): admit
+waiting requests while a slot is free (prefilled in left-padded groups on an eager ``DecodeState``,
+prefill.py, each row then copied into a free slot of the slot table, slots.py), run one decode step over
+the smallest batch-size bucket holding the active rows, sample the active rows, stream each one's new
+text, and free the slots of the rows that finished, were cancelled (a disconnected client) or timed out
+(no other row is copied). The step is the fixed-shape step of that bucket (decode_graph.StaticStep on
+views of the table's pool): ``decode="eager"`` runs it eagerly (any device); ``decode="graphs"`` captures
+each phase once per bucket as CUDA graphs and replays them (CUDA, bf16); the default takes "graphs"
+only where the GPU check proved the captured decode (verdict ``decode_cudagraph``; null: "eager").
+Admission counts the bytes a request's slot is allocated at (``planned_bytes``): the ConceptMoE's concept
+caches hold ~capacity / R slots, so under one budget its pool holds more rows than its matched MoE's.
+Besides the step's own boundary read (ConceptMoE), each step reads the device once: the sampled tokens
+and the concept caches' lengths (achieved R), which the host needs to stream text.
 """
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ import time
 
 import torch
 
+from vlm.modeling.decode_pool import capacity_bucket
 from vlm.modeling.generation import DecodeState
 
 from .prefill import groups, prefill
 from .request import EngineError, Request
-from .rows import held_bytes, join_rows, keep_rows
 from .sampling import sample_rows
+from .slots import SlotTable, held_bytes, step_mode
 from .text_stream import safe_len, stop_at
 
 log = logging.getLogger(__name__)
@@ -35,36 +40,43 @@ def language_model(model):
     return getattr(model, "language_model", model)
 
 
-def planned_bytes(model, capacity: int) -> int:
+def planned_bytes(model, capacity: int, fixed_shape: bool = False) -> int:
     """KV bytes of one request's caches at ``capacity`` token slots (token layers at capacity, concept
-    layers at capacity / R + headroom), from the model's cache layout (allocated on the meta device)."""
+    layers at capacity / R + headroom), from the model's cache layout (allocated on the meta device);
+    ``fixed_shape``: a slot of the engine's table (the capacity rounded up to its ``capacity_bucket``)."""
     lm = language_model(model)
     p = next(lm.parameters())
-    return held_bytes(DecodeState.allocate(lm.model, 1, capacity, "meta", p.dtype))
+    return held_bytes(DecodeState.allocate(lm.model, 1, capacity_bucket(capacity) if fixed_shape else capacity,
+                                           "meta", p.dtype))
 
 
 class Engine:
     """``submit`` requests (thread-safe); ``start`` / ``stop`` the scheduler thread. ``capacity``: token
     slots per row (prompt + new tokens); ``kv_budget``: bytes all rows' caches may hold (None: room for
-    ``max_rows`` rows); ``max_queue``: waiting requests before 429; ``prefill_rows``: requests prefilled
-    together at most (left-padded with ``pad_id``, default the tokenizer's)."""
+    ``max_rows`` rows; the slot table holds min(``max_rows``, budget // request bytes) rows); ``max_queue``:
+    waiting requests before 429; ``prefill_rows``: requests prefilled together at most (left-padded with
+    ``pad_id``, default the tokenizer's); ``decode``: "eager" | "graphs" | None (by verdict), slots.step_mode."""
 
     def __init__(self, model, tokenizer, capacity: int, max_rows: int = 32, max_queue: int = 64,
-                 kv_budget: int | None = None, eos_ids=(), prefill_rows: int = 8, pad_id: int | None = None):
+                 kv_budget: int | None = None, eos_ids=(), prefill_rows: int = 8, pad_id: int | None = None,
+                 decode: str | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.lm = language_model(model)
         self.capacity, self.max_rows, self.max_queue = int(capacity), int(max_rows), int(max_queue)
-        self.request_bytes = planned_bytes(model, self.capacity)
+        p = next(self.lm.parameters())
+        mode = step_mode(decode, p.device, p.dtype)
+        self.decode = "graphs" if mode == "cudagraph" else "eager"
+        self.request_bytes = planned_bytes(model, self.capacity, fixed_shape=True)
         self.kv_budget = int(kv_budget) if kv_budget is not None else self.request_bytes * self.max_rows
         if self.kv_budget < self.request_bytes:
             raise ValueError(f"kv budget {self.kv_budget} B holds no request ({self.request_bytes} B each)")
+        self.slots = SlotTable(self.lm.model, self.capacity, min(self.max_rows, self.kv_budget // self.request_bytes),
+                               mode)
         self.eos_ids = {int(i) for i in eos_ids}
         if pad_id is None:  # the tokenizer's pad token (padding is masked out)
             pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.prefill_rows, self.pad_id = int(prefill_rows), int(pad_id)
         self.waiting: collections.deque[Request] = collections.deque()
-        self.active: list[Request] = []
-        self.state: DecodeState | None = None
         self.cond = threading.Condition()
         self.draining = False  # SIGTERM: no new requests; the waiting and active ones finish
         self._stop = False
@@ -124,12 +136,25 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def active(self) -> list[Request]:
+        """The decoding requests, in slot order."""
+        return [r for _, r in self.slots.active]
+
+    @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.slots.active)
 
     def held_bytes(self) -> int:
-        """Bytes the active rows' caches hold (as allocated)."""
-        return held_bytes(self.state)
+        """Bytes of the active rows' slots (as allocated; 0 when idle)."""
+        return len(self.slots.active) * self.row_bytes()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the slot table's pool (every slot, allocated at the first request; grown concept
+        caches return to their planned size when the table empties)."""
+        return held_bytes(self.slots.pool)
+
+    def row_bytes(self) -> int:
+        return self.allocated_bytes() // self.slots.rows
 
     def tokens_per_s(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -151,24 +176,26 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    while not self._stop and not self.waiting and not self.active:
+                    while not self._stop and not self.waiting and not self.slots.active:
                         self.cond.wait(0.5)
                     if self._stop:
                         break
-                joined = self._admit()
-                if joined:
-                    self.state = join_rows(([self.state] if self.state is not None else []) + joined,
-                                           self._token_size(self.active))
-                if self.active:
-                    self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.active))
-                    self._step()
+                self.tick()
         except BaseException as e:  # the thread's failure reaches every caller, never silently
             self.error = e
             for req in [*self.active, *self.waiting]:
                 req.emit("error", EngineError(f"engine failure: {type(e).__name__}: {e}", 500, "engine_error"))
-            self.active, self.state = [], None
+            self.slots.reqs = [None] * self.slots.rows
             self.waiting.clear()
             log.exception("vlm.serving engine failed; new requests are refused (503)")
+
+    def tick(self) -> None:
+        """One scheduler iteration: admit (prefill, join), then one decode step if any row is active
+        (the scheduler thread's loop; tests drive it directly)."""
+        self._admit()
+        if self.slots.active:
+            self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.slots.active))
+            self._step()
 
     def _token_size(self, rows: list[Request]) -> int:
         """The longest row's token cache length: left padding (a grouped prefill) + prompt + tokens already
@@ -176,9 +203,10 @@ class Engine:
         return max(r.pad + r.prompt_len + len(r.tokens) - 1 for r in rows)
 
     @torch.no_grad()
-    def _admit(self) -> list[DecodeState]:
-        """Admit waiting requests while rows and KV budget allow, prefill them (in groups: prefill.py);
-        the states of the rows that did not finish at their first token."""
+    def _admit(self) -> None:
+        """Admit waiting requests while free slots allow (the table's rows: ``max_rows`` within the KV
+        budget), prefill them (in groups: prefill.py) and copy the rows that did not finish at their
+        first token into free slots."""
         admitted, now = [], time.monotonic()
         with self.cond:
             while self.waiting:
@@ -187,43 +215,40 @@ class Engine:
                     self.waiting.popleft()
                     self._finish_early(req)
                     continue
-                held = self.held_bytes() + len(admitted) * self.request_bytes
-                if len(self.active) + len(admitted) >= self.max_rows or held + self.request_bytes > self.kv_budget:
+                if len(admitted) >= self.slots.free_slots:
                     break
                 admitted.append(self.waiting.popleft())
-        states = []
         for group in groups(admitted, self.capacity, self.prefill_rows):
             state, logits_BV = prefill(self.model, self.lm, group, self.capacity, self.pad_id)
             tokens, _ = sample_rows(logits_BV, group)
-            keep = [b for b, r in enumerate(group) if not self._emit(r, tokens[b], None)]
-            if not keep:
-                continue
-            if len(keep) < len(group):
-                state = keep_rows(state, keep, max(group[b].pad + group[b].prompt_len for b in keep))
-            self.active += [group[b] for b in keep]
-            states.append(state)
-        return states
+            for b, r in enumerate(group):
+                if not self._emit(r, tokens[b], None):
+                    self.slots.join(state, b, r)
 
     @torch.no_grad()
     def _step(self) -> None:
-        rows = self.active
-        last_B = torch.tensor([r.tokens[-1] for r in rows], device=self.state.next_pos_B.device)
-        logits_BV = self.lm.step(self.state, last_B)
-        concept_B = self.state.concept_caches[0].len_B if self.state.concept_caches else None
-        tokens, concepts = sample_rows(logits_BV, rows, concept_B)
-        keep = [b for b, r in enumerate(rows) if not self._emit(r, tokens[b], None if concepts is None else concepts[b])]
+        """One fixed-shape step over the bucket holding the active rows (empty slots fed the pad token),
+        then the active rows sampled and the leaving ones' slots freed."""
+        view = self.slots.prepare(self._token_size(self.active))
+        active = self.slots.active
+        slots, rows = [s for s, _ in active], [r for _, r in active]
+        last = [self.pad_id] * view.next_pos_B.shape[0]
+        for s, r in active:
+            last[s] = r.tokens[-1]
+        device = view.next_pos_B.device
+        logits_BV = self.lm.step(view, torch.tensor(last, device=device))
+        self.slots.stepped(view)
+        index_B = torch.tensor(slots, device=device)
+        concept_B = view.concept_caches[0].len_B.index_select(0, index_B) if view.concept_caches else None
+        tokens, concepts = sample_rows(logits_BV.index_select(0, index_B), rows, concept_B)
         self.recent.append((time.monotonic(), len(rows)))
         now = time.monotonic()
-        for b in list(keep):
-            if rows[b].cancelled or rows[b].expired(now):
-                self._finish_early(rows[b])
-                keep.remove(b)
-        if len(keep) < len(rows):
-            self.active = [rows[b] for b in keep]
-            if self.active:
-                self.state = keep_rows(self.state, keep, self._token_size(self.active))
-            else:
-                self.state = None
+        for i, (s, r) in enumerate(active):
+            if self._emit(r, tokens[i], None if concepts is None else concepts[i]):
+                self.slots.free(s)
+            elif r.cancelled or r.expired(now):
+                self._finish_early(r)
+                self.slots.free(s)
 
     def _emit(self, req: Request, token: int, concepts: int | None) -> bool:
         """Record ``token`` (and the row's concept count, host) for ``req``, stream its new text; True when

@@ -95,3 +95,15 @@ def test_not_an_export_is_one_line_exit_2(tmp_path):
     assert out.returncode == 2
     line = f"vlm.serve: --model {tmp_path}: no config.json (an export folder, e.g. runs/<name>/hf/)"
     assert out.stderr.strip().splitlines() == [line]
+
+
+def test_decode_graphs_on_cpu_is_one_line_exit_2(tmp_path):
+    """``--decode graphs`` (CUDA graphs) on a CPU model: one line naming the way out, exit 2, no traceback."""
+    tiny_tokenizer(str(tmp_path / "tok"))
+    export = make_tiny_checkpoint(tmp_path / "export", tmp_path / "tok")
+    out = subprocess.run([sys.executable, "-m", "vlm.serve", "--model", export, "--decode", "graphs",
+                          "--log-level", "warning"], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = "vlm.serve: decode='graphs' captures the decode step as CUDA graphs: the model is on cpu (use decode='eager')"
+    assert out.stderr.strip().splitlines()[-1] == line and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -54,7 +54,7 @@ def test_rows_joining_and_leaving_decode_as_alone(tiny_model, make_decisive, pre
     assert [r.tokens for r in reqs] == want
     assert [reason for _, reason in results] == ["length"] * 7
     assert engine.stats["peak_rows"] == 3  # batched, not one at a time
-    assert engine.held_bytes() == 0 and engine.state is None
+    assert engine.held_bytes() == 0 and not engine.active
 
 
 def test_vlm_rows_with_images_decode_as_alone(make_decisive):
@@ -128,7 +128,7 @@ def test_cancel_frees_the_row_and_timeout_errors(tiny_model):
             kinds.append(long.events.get(timeout=60)[0])
         assert long.finish_reason is None and len(long.tokens) < 400
         for _ in range(500):  # the row leaves at the next step
-            if engine.state is None:
+            if not engine.active:
                 break
             time.sleep(0.01)
         assert engine.held_bytes() == 0 and engine.stats["cancelled"] == 1
