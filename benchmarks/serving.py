@@ -28,13 +28,14 @@ import time
 import torch
 
 from benchmarks.cli import base_parser, logger, setup
+from benchmarks.harness import stats
 from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
 from benchmarks.report import finish, fmt_num, md_table, settings_line, write_results
 from benchmarks.serving_admission import BUDGET_MOE_REQUESTS, REQUEST_LEN, TARGET, engine_admission, plan, plan_layouts
 
 NAME = "serving"
 PRESETS = {"smoke": [1, 4], "cpu": [1, 8, 32], "gpu": [1, 8, 32]}
-REPS = {"smoke": 1, "cpu": 1, "gpu": 1}
+REPS = {"smoke": 1, "cpu": 3, "gpu": 3}
 TARGETS = {"throughput_c32_over_sequential": 4.0, "admitted_concept_over_moe": TARGET}  # issue 41 item 6
 
 
@@ -97,6 +98,15 @@ def run_engine(model, prompts, new: int) -> dict:
     n_tokens = sum(len(r.tokens) for r in reqs)
     return {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / wall,
             **_latency([t0] * len(reqs), token_times), "peak_rows": engine.stats["peak_rows"]}
+
+
+MODES = ("engine", "sequential", "static_batch")
+
+
+def _median_round(runs: list[dict]) -> dict:
+    """The round of median tokens/s (its latencies with it), plus the tokens/s median and quartiles."""
+    runs = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**runs[(len(runs) - 1) // 2], "tokens_per_s_rounds": stats([r["tokens_per_s"] for r in runs])}
 
 
 def run_generate(model, prompts, new: int, batched: bool) -> dict:
@@ -181,13 +191,19 @@ def run(argv=None) -> dict:
     for c in s.sizes:
         prompts = [random_ids(1, P, con_cfg.vocab_size, s.device, seed=100 + i) for i in range(c)]
         row = {"concurrency": c}
+        rounds = {mode: [] for mode in MODES}
         with torch.no_grad():
             if not results:  # warm-up (first-call costs: kernels chosen, features probed), untimed
                 run_engine(con, prompts[:1], 2), run_generate(con, prompts[:1], 2, batched=False)
-            row["engine"] = run_engine(con, prompts, G)
-            row["sequential"] = run_generate(con, prompts, G, batched=False)
-            row["static_batch"] = run_generate(con, prompts, G, batched=True)
-        row["engine_over_sequential"] = row["engine"]["tokens_per_s"] / row["sequential"]["tokens_per_s"]
+            for _ in range(s.reps):  # the three modes interleaved, round after round
+                rounds["engine"].append(run_engine(con, prompts, G))
+                rounds["sequential"].append(run_generate(con, prompts, G, batched=False))
+                rounds["static_batch"].append(run_generate(con, prompts, G, batched=True))
+        for mode, runs in rounds.items():
+            row[mode] = _median_round(runs)
+        ratios = [e["tokens_per_s"] / q["tokens_per_s"] for e, q in zip(rounds["engine"], rounds["sequential"])]
+        row["engine_over_sequential_rounds"] = stats(ratios)
+        row["engine_over_sequential"] = row["engine_over_sequential_rounds"]["median"]
         results.append(row)
         log(f"c={c}: engine {row['engine']['tokens_per_s']:.0f} tok/s, sequential "
             f"{row['sequential']['tokens_per_s']:.0f}, static batch {row['static_batch']['tokens_per_s']:.0f}")
@@ -198,7 +214,9 @@ def run(argv=None) -> dict:
         for r in results:
             for mode in ("engine", "sequential", "static_batch"):
                 m = r[mode]
-                rows.append([r["concurrency"], mode.replace("_", " "), fmt_num(m["tokens_per_s"]),
+                st = m["tokens_per_s_rounds"]
+                rows.append([r["concurrency"], mode.replace("_", " "),
+                             f"{fmt_num(st['median'])} [{fmt_num(st['q1'])}-{fmt_num(st['q3'])}]",
                              f"{m['wall_s']:.2f} s", f"{m['ttft_p50'] * 1e3:.1f} ms", f"{m['itl_p50'] * 1e3:.2f} ms",
                              f"{m['itl_p99'] * 1e3:.2f} ms"])
         c32 = next((r["engine_over_sequential"] for r in results if r["concurrency"] == 32), None)
@@ -214,8 +232,12 @@ def run(argv=None) -> dict:
                      "met": r["meets_target"]} for r in adm["layouts"]]
         md = (f"## Serving: continuous batching vs generate\n\n{settings_line(s)}\n\n"
               f"- model: the ConceptMoE of the pair ({pair_info['concept']}); {P}-token prompts, {G} greedy "
-              "tokens each, c requests given at once\n- engine: vlm/serving/engine.py with c rows (eager steps); "
-              "sequential: `generate` per request; static batch: `generate` on all c at once\n\n"
+              "tokens each, c requests given at once\n- engine: vlm/serving/engine.py with c rows (its fixed-shape "
+              f"decode step per batch bucket, run {'as captured graphs only where proven, else ' if s.is_cuda else ''}"
+              "eagerly); sequential: `generate` per request; static batch: `generate` on all c at once\n"
+              f"- tokens/s: median [quartiles] over {s.reps} rounds, the modes interleaved; wall and latencies: "
+              "the median round; engine over sequential at c=32: "
+              + (fmt_ratio_rounds(results) or "n/a") + "\n\n"
               + md_table(["concurrency", "mode", "tokens/s", "wall", "TTFT p50", "inter-token p50",
                           "inter-token p99"], rows)
               + _admission_md(adm, target_row)
@@ -225,6 +247,13 @@ def run(argv=None) -> dict:
                            {True: "yes", False: "NO", None: "n/a"}[t["met"]]] for t in targets]) + "\n")
         return {"pair": pair_info, "prompt": P, "new": G, "admission": adm, "results": results,
                 "targets": targets}, md
+
+    def fmt_ratio_rounds(rows):
+        r32 = next((r for r in rows if r["concurrency"] == 32), None)
+        if r32 is None:
+            return None
+        st = r32["engine_over_sequential_rounds"]
+        return f"{st['median']:.2f}x [{st['q1']:.2f}-{st['q3']:.2f}]"
 
     def plot(plt):
         fig, ax = plt.subplots(figsize=(5, 3.2))
