@@ -12,7 +12,9 @@ R), then rewrites every span between ``<!-- figures:KEY -->`` and ``<!-- /figure
 docs/*.md (each KEY marked once over all pages) from those files and from ``benchmarks/results/``
 (``prefill.json``, ``decode.json``: written by ``make bench RECORD=1``; ``vs_transformers.json`` and
 ``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers --record``; ``overhead.json``: written by
-``python -m benchmarks.overhead --record``; ``inference.json``: written by ``python -m benchmarks.inference --record``) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
+``python -m benchmarks.overhead --record``; ``inference.json``: written by ``python -m benchmarks.inference --record``;
+``serving.json``: written by ``python -m benchmarks.run_all --record --only serving``, rendered by
+scripts/figures_serving.py) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -28,6 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script file
+    sys.path.insert(0, str(ROOT))
+from scripts.figures_serving import render_serving, render_serving_line
+
 RESULTS = ROOT / "docs" / "results" / "train-vlm"
 README = ROOT / "README.md"
 BENCH = ROOT / "benchmarks" / "results"
@@ -258,9 +264,11 @@ def rendered_bench(bench_dir: Path = BENCH) -> dict[str, str]:
     def load(name):
         return json.loads((bench_dir / name).read_text(encoding="utf-8"))
 
+    serving = load("serving.json")
     vs_hf = [load(name) for name in ("vs_transformers.json", "vs_transformers_8K.json") if (bench_dir / name).exists()]
     return {"bench": render_bench(load("prefill.json"), load("decode.json")), "vs_transformers": render_vs_transformers(vs_hf),
-            "overhead": render_overhead(load("overhead.json")), "inference": render_inference(load("inference.json"))}
+            "overhead": render_overhead(load("overhead.json")), "inference": render_inference(load("inference.json")),
+            "serving": render_serving(serving), "serving_line": render_serving_line(serving)}
 
 
 def rendered_tests(tests_dir: Path = TESTS) -> dict[str, str]:

@@ -24,7 +24,8 @@ def _load(name: str) -> dict:
 def test_readme_figures_are_the_committed_runs():
     spans = figures.page_spans()
     expected = figures.all_figures()
-    assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "inference", "tests"}
+    assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "inference", "tests", "serving",
+                          "serving_line"}
     assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
         assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
@@ -156,6 +157,40 @@ def test_inference_figures_move_with_their_file():
     for met, word in ((True, "| met |"), (False, "| missed |"), (None, "| not measured on this device |")):
         run["targets"] = [dict(run["targets"][0], met=met)]
         assert word in figures.render_inference(run)
+
+
+def test_serving_figures_move_with_their_file():
+    """docs/serving.md's table and README's serving line: tokens/s, the c=32 engine / sequential ratio and its
+    spread, latencies, admission ratios and verdicts, the engine-measured rows and the commit each move with
+    serving.json; a run without concurrency 32 is refused (its target is judged there)."""
+    run = json.loads((figures.BENCH / "serving.json").read_text())
+    c32 = next(r for r in run["results"] if r["concurrency"] == 32)
+    c32["engine"]["tokens_per_s_rounds"].update(median=12345.6, q1=12000.0, q3=13000.4)
+    c32["engine_over_sequential_rounds"].update(median=3.456, q1=3.1, q3=3.9)
+    c32["engine"]["itl_p99"] = 0.0425
+    run["machine"]["git"] = "abc1234"
+    lay = run["admission"]["layouts"]
+    lay[0].update(admitted_ratio=1.9, meets_target=True, concept_admitted=61)
+    for r in lay[1:]:
+        r["meets_target"] = False
+    run["admission"]["engine"]["concept"]["peak_rows"] = 99
+    run["admission"]["engine"].update(matches_plan=False, peak_ratio=2.345)
+    next(t for t in run["targets"] if t["what"].startswith("tokens/s"))["met"] = False
+    doc, line = figures.render_serving(run), figures.render_serving_line(run)
+    row = next(r for r in doc.splitlines() if r.startswith("| 32 |"))
+    assert row.startswith("| 32 | 12,346 [12,000-13,000] |") and "| 3.46x [3.10-3.90] |" in row and "/ 42.5 ms |" in row
+    assert "**3.46x [3.10-3.90]**" in doc and "target >= 4x: missed" in doc
+    assert f"| {lay[0]['layout']}, {lay[0]['split']} |" in doc and "| 32 / 61 | 1.90x |" in doc
+    assert "| ConceptMoE |" in doc and "| 99 |" in doc and "NOT the planned counts" in doc and "commit abc1234" in doc
+    assert "**3.46x [3.10-3.90]**" in line and "(target 4x: missed)" in line and "admits 2.35x" in line
+    assert f"{lay[0]['layout']} 1.90x" in line and f": {lay[0]['layout']} reaches 1.8x" in line
+    assert "commit abc1234" in line and line.count("\n") == 0
+    for r in lay:
+        r["meets_target"] = False
+    assert ": none reaches 1.8x" in figures.render_serving_line(run)
+    run["results"] = [r for r in run["results"] if r["concurrency"] != 32]
+    with pytest.raises(ValueError, match="no concurrency-32 row"):
+        figures.render_serving_line(run)
 
 
 def test_each_figure_names_the_cpu_its_file_records():
