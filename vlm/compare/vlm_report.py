@@ -133,7 +133,8 @@ def image_use_table(arm_ids: list[str], image_use: dict, agg: dict) -> list[str]
               "the model one constant vector. Answer shift: the answer's next-token distribution with the record's "
               "own image vs another record's image (same question): total-variation distance, share of records "
               "whose greedy first answer token changes, mean of the largest logit change. **An answer shift of ~0 "
-              "means the arm answers from the question alone** (accuracy at the answer priors, whatever the merge)."),
+              "means the arm answers from the question alone**, so its accuracy cannot rise above what the question "
+              "alone gives (the answer priors), whatever its merge."),
              "", "| arm | seeds | token spread across patches | token spread across images | answer TV own vs "
              "other image | first answer token changes (%) | max logit change |", "|---|---:|---:|---:|---:|---:|---:|"]
     for a in arm_ids:
