@@ -87,26 +87,30 @@ def main(argv=None) -> int:
 
 def _vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seeds: list[int],
                 t0: float) -> dict:
-    """The VLM study's report: the seed-0 exports probed side by side (prefill, concepts), then written."""
+    """The VLM study's report: the seed-0 exports probed side by side (prefill, concepts), every run's
+    export measured for image use (vlm.compare.image_use), then written."""
+    import torch
+
+    from vlm.compare.image_use import measure_runs
     from vlm.compare.vlm_probe import probe
     from vlm.compare.vlm_report import write_vlm_report
 
-    probed = None
+    probed, used = None, None
+    e, before = cfg["eval"], torch.get_num_threads()
+    vqa_json, image_root = str(repo_path(raw["eval"]["vqa_json"])), str(repo_path(raw["eval"]["image_root"]))
     first = {r["arm"]: Path(r["run_dir"]) / "hf" for r in results if r["seed"] == seeds[0]}
-    if first and all((hf / "config.json").is_file() for hf in first.values()):
-        import torch
-
-        e, before = cfg["eval"], torch.get_num_threads()
-        if cfg["threads"]:
-            torch.set_num_threads(int(cfg["threads"]))
-        try:
-            probed = probe({a: str(hf) for a, hf in sorted(first.items())}, str(repo_path(raw["eval"]["vqa_json"])),
-                           str(repo_path(raw["eval"]["image_root"])), int(e["prefill_batch"]), int(e["prefill_reps"]),
-                           int(e["pictures"]), out / "pictures")
-        finally:
-            torch.set_num_threads(before)
-    return write_vlm_report(cfg, raw, presets, results, out, seq_len_of(cfg, raw), seeds, time.time() - t0, probed)
-
+    if cfg["threads"]:
+        torch.set_num_threads(int(cfg["threads"]))
+    try:
+        if first and all((hf / "config.json").is_file() for hf in first.values()):
+            probed = probe({a: str(hf) for a, hf in sorted(first.items())}, vqa_json, image_root,
+                           int(e["prefill_batch"]), int(e["prefill_reps"]), int(e["pictures"]), out / "pictures")
+        if results and e["image_use"]:
+            used = measure_runs(results, vqa_json, image_root, int(e["image_use"]))
+    finally:
+        torch.set_num_threads(before)
+    return write_vlm_report(cfg, raw, presets, results, out, seq_len_of(cfg, raw), seeds, time.time() - t0, probed,
+                            used)
 
 if __name__ == "__main__":
     sys.exit(main())

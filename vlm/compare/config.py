@@ -79,6 +79,7 @@ class EvalSpec(Section):
     prefill_batch: PosInt = 32  # VLM study: held-out prompts per timed prefill (one forward, all arms side by side)
     prefill_reps: PosInt = 5  # timed repetitions per arm (median)
     pictures: NonNegInt = 3  # VLM study: test images drawn with the chunker's concepts (chunking arms)
+    image_use: NonNegInt = 64  # VLM study: held-out image records of the image-use measure (0: off; report only)
 
 
 class CompareConfig(Section):

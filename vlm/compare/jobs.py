@@ -15,6 +15,8 @@ from pathlib import Path
 from vlm.compare.config import REPO_ROOT, rel, repo_path
 from vlm.modeling.config_base import deep_merge
 
+REPORT_ONLY_EVAL = ("image_use",)  # eval knobs read by the report alone: a run trained without them is reused
+
 
 # --- jobs --------------------------------------------------------------------------------------
 def out_dir(cfg: dict, override: str | None = None) -> Path:
@@ -32,7 +34,8 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
             train.pop("base", None)
             if cfg["threads"]:
                 train["cpu_threads"] = int(cfg["threads"])  # the trainer's own knob (process-wide)
-            key_src = json.dumps({"train": train, "eval": cfg["eval"], "vlm": p["text"],
+            key_eval = {k: v for k, v in cfg["eval"].items() if k not in REPORT_ONLY_EVAL}
+            key_src = json.dumps({"train": train, "eval": key_eval, "vlm": p["text"],
                                   "lm": p["lm_path"].read_text()}, sort_keys=True, default=str)
             key_src = key_src.replace(str(REPO_ROOT), "<repo>")  # the same runs in another checkout are reused
             jobs.append({"arm": arm["id"], "arm_name": arm["name"], "seed": int(seed), "train": train,

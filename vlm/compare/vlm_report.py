@@ -2,7 +2,8 @@
 training and inference, image tokens per image, target and achieved R), held-out accuracy per question
 kind (mean +- std over seeds, the answer priors beside it), paired differences vs arms a and b, the
 split by clutter and glyph size with the wins and losses of learned merging, prefill time per sample
-measured side by side, accuracy vs inference FLOPs (PNG) and pictures of the chunker's concepts."""
+measured side by side, whether each arm reads the image at all (image-token spread, answer shift when
+the image is swapped), accuracy vs inference FLOPs (PNG) and pictures of the chunker's concepts."""
 from __future__ import annotations
 
 import json
@@ -118,6 +119,35 @@ def match_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+USE_KEYS = ("patch_spread", "image_spread", "tv", "flip_rate", "max_logit_change")
+
+
+def image_use_table(arm_ids: list[str], image_use: dict, agg: dict) -> list[str]:
+    """Markdown lines: per arm, the spread of its image tokens and how far its answer moves when the image
+    is swapped (vlm.compare.image_use), mean +- std over the seeds whose export was measured."""
+    n = next((r["records"] for by_seed in image_use.values() for r in by_seed.values() if "records" in r), "n/a")
+    lines = [("Each trained export on the same first "
+              f"{n} held-out image records. Token spread: mean |x_i - x_j| of the image tokens the language model "
+              "receives (vision tower + projector), over token pairs of one image (across patches) or over image "
+              "pairs at one token slot (across images), divided by their mean |x|; ~0 means the projector hands "
+              "the model one constant vector. Answer shift: the answer's next-token distribution with the record's "
+              "own image vs another record's image (same question): total-variation distance, share of records "
+              "whose greedy first answer token changes, mean of the largest logit change. **An answer shift of ~0 "
+              "means the arm answers from the question alone**, so its accuracy cannot rise above what the question "
+              "alone gives (the answer priors), whatever its merge."),
+             "", "| arm | seeds | token spread across patches | token spread across images | answer TV own vs "
+             "other image | first answer token changes (%) | max logit change |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for a in arm_ids:
+        if a not in agg:
+            continue
+        s = agg[a]
+        missing = [seed for seed, r in image_use[a].items() if "missing" in r]
+        seeds = str(len(image_use[a]) - len(missing)) + (f" ({len(missing)} export(s) gone)" if missing else "")
+        lines.append(f"| {a} | {seeds} | {_cell(s['patch_spread'], False)} | {_cell(s['image_spread'], False)} | "
+                     f"{_cell(s['tv'], False)} | {_cell(s['flip_rate'])} | {_cell(s['max_logit_change'], False)} |")
+    return lines
+
+
 def accuracy_png(rows: list[dict], agg: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -145,7 +175,8 @@ def accuracy_png(rows: list[dict], agg: dict, path: Path) -> bool:
 
 
 def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seq_len: int,
-                     seeds: list[int], wall_s: float, probe_results: dict | None = None) -> dict:
+                     seeds: list[int], wall_s: float, probe_results: dict | None = None,
+                     image_use: dict | None = None) -> dict:
     """Write report.md / report.json (+ accuracy_vs_flops.png, pictures/) under ``out``."""
     by_arm: dict = {}
     for r in results:
@@ -266,6 +297,10 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
         if pics:
             md += ["", "Concepts on held-out scenes (patches coloured by concept, a black box where one starts):", ""]
             md += [f"![arm {a}, clutter {p['clutter']}, {p['glyph_size']} glyphs](pictures/{p['file']})" for a, p in pics]
+    image_use = image_use or {}
+    use_agg = {a: {k: _stat([r.get(k) for r in by_seed.values()]) for k in USE_KEYS} for a, by_seed in image_use.items()}
+    if image_use:
+        md += ["", "## Does each arm read the image?", "", *image_use_table(arm_ids, image_use, use_agg)]
     png = out / "accuracy_vs_flops.png"
     have_png = bool(results) and accuracy_png(rows, agg, png)
     if results:
@@ -273,7 +308,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
                f"![accuracy vs FLOPs]({png.name})" if have_png else "(matplotlib is not installed: no plot)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     report = {"name": cfg["name"], "study": "vlm", "config": cfg["source"], "seeds": seeds, "match_ok": match_ok,
-              "arms": rows, "accuracy": agg, "prior": prior, "paired": pairs_out, "probe": probe_results, "data_checks": data_checks,
+              "arms": rows, "accuracy": agg, "prior": prior, "paired": pairs_out, "probe": probe_results,
+              "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
               "budget": budget, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     tables = "\n".join(md[md.index("## Matched compute (accountant: `vlm.flops.llm_flops_per_sample`)"):][:len(rows) + 6])

@@ -1,7 +1,8 @@
 """vlm.compare's VLM study (issue 40) at smoke size: the six arms (all patches; pixel shuffle, pooling,
 pruning to 16 tokens on a plain MoE; ConceptMoE image R=4 on all patches; pixel shuffle + ConceptMoE R=2)
 train 2 steps each on scenes built here, with the LLM FLOPs per sample matched by the accountant, the same
-samples in the same order, per-kind accuracy, prefill timing, the plot and the chunker's pictures."""
+samples in the same order, per-kind accuracy, prefill timing, image use (token spread, answer shift), the plot and the chunker's
+pictures."""
 from __future__ import annotations
 
 import json
@@ -53,9 +54,17 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
     for a in "ef":
         assert (out / "pictures" / report["probe"][a]["pictures"][0]["file"]).is_file()
         assert 0 <= report["probe"][a]["boundary_rate_glyph"] <= 1
+    scored_images = [x for x in json.loads((scenes / "scenes_test.json").read_text()) if x.get("image")][:8]
+    for a in arms:  # every run's export measured on the same image records (eval.image_use: 8)
+        use = report["image_use"][a]["0"]
+        assert use["records"] == len(scored_images) >= 2 and use["patch_spread"] > 0 and use["tv"] > 0, (a, use)
+        assert report["image_use_stats"][a]["tv"]["mean"] == use["tv"]
+        assert f"| {a} | 1 | " in md.split("## Does each arm read the image?")[1]
+    assert "answers from the question alone" in md
     assert report["plot"] == "accuracy_vs_flops.png" and (out / "accuracy_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
     for heading in ("Matched compute", "Held-out accuracy per question kind", "Paired differences",
-                    "Where learned merging wins or loses", "Prefill time", "Accuracy vs inference FLOPs"):
+                    "Where learned merging wins or loses", "Prefill time", "Does each arm read the image?",
+                    "Accuracy vs inference FLOPs"):
         assert heading in md
     assert "| e - c |" in md and "| answer prior |" in md
 
