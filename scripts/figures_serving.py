@@ -106,10 +106,11 @@ def render_serving_line(run: dict) -> str:
     t = _throughput_target(run)
     ratio = _quartiles(_c32(run)["engine_over_sequential_rounds"], _ratio, "x")
     target = _admission_target(run)
-    planned = ", ".join(f"{r['layout']} {r['admitted_ratio']:.2f}x" for r in adm["layouts"])
+    planned = ", ".join(f"{r['layout']} ({r['split']}) {r['admitted_ratio']:.2f}x" for r in adm["layouts"])
     pair = adm["run_pair"]
     return (f"at 32 concurrent requests the engine decodes **{ratio}** the tokens/s of sequential `generate` (target "
-            f"{t['target']:g}x: {_verdict(t['met'])}); ConceptMoE admits {e['peak_ratio']:.2f}x its matched MoE's "
-            f"concurrent {adm['request_len']:,}-token requests under one KV budget on this run's pair ({pair['pair']}, "
-            f"engine-measured), planned {planned}: {_split_meets(adm['layouts'], target)} "
+            f"{t['target']:g}x: {_verdict(t['met'])}). Under one KV budget ConceptMoE admits {e['peak_ratio']:.2f}x "
+            f"its matched MoE's concurrent {adm['request_len']:,}-token requests (engine-measured, {pair['pair']} "
+            f"pair, {pair['split']}); planned by layout (L_E/L_C/L_D of L): {planned}; "
+            f"{_split_meets(adm['layouts'], target)}, the encoder and decoder layers keeping full-length caches "
             f"({_where(run)}; {SOURCE})")
