@@ -183,7 +183,7 @@ def test_serving_figures_move_with_their_file():
     assert f"| {lay[0]['layout']}, {lay[0]['split']} |" in doc and "| 32 / 61 | 1.90x |" in doc
     assert "| ConceptMoE |" in doc and "| 99 |" in doc and "NOT the planned counts" in doc and "commit abc1234" in doc
     assert "**3.46x [3.10-3.90]**" in line and "(target 4x: missed)" in line and "admits 2.35x" in line
-    assert f"{lay[0]['layout']} 1.90x" in line and f": {lay[0]['layout']} reaches 1.8x" in line
+    assert f"{lay[0]['layout']} ({lay[0]['split']}) 1.90x" in line and f"; {lay[0]['layout']} reaches 1.8x," in line
     assert "commit abc1234" in line and line.count("\n") == 0
     for r in lay:
         r["meets_target"] = False
