@@ -187,7 +187,7 @@ def test_serving_figures_move_with_their_file():
     assert "commit abc1234" in line and line.count("\n") == 0
     for r in lay:
         r["meets_target"] = False
-    assert ": none reaches 1.8x" in figures.render_serving_line(run)
+    assert "; none reaches 1.8x," in figures.render_serving_line(run)
     run["results"] = [r for r in run["results"] if r["concurrency"] != 32]
     with pytest.raises(ValueError, match="no concurrency-32 row"):
         figures.render_serving_line(run)
