@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 HELP_COMMANDS = """commands:
   /image PATH   attach an image to the next message (repeat for several)
@@ -90,9 +92,33 @@ def fail(message: str) -> int:
     return 2
 
 
-def run(session, lines, interactive: bool, show_concepts: bool, out=None, err=None) -> int:
+class CtrlC:
+    """Ctrl-C (SIGINT) while a reply is being generated sets the session's stop event: the reply ends at its
+    next token, the chat prints what came and leaves (``requested``). Raising KeyboardInterrupt there instead
+    would interrupt the main thread inside the streamer's queue, whose lock an interrupted wait can leave held,
+    blocking the generating thread. Elsewhere (at the prompt, loading) Ctrl-C raises KeyboardInterrupt as
+    usual. ``install`` only from the main thread (where Python runs signal handlers)."""
+
+    def __init__(self, session):
+        self.session, self.requested = session, False
+
+    def __call__(self, signum=None, frame=None) -> None:
+        worker = self.session.worker
+        if worker is None or not worker.is_alive():
+            raise KeyboardInterrupt
+        self.requested = True
+        self.session.stop.set()
+
+    def install(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self)
+        return self
+
+
+def run(session, lines, interactive: bool, show_concepts: bool, out=None, err=None,
+        ctrl_c: CtrlC | None = None) -> int:
     """The chat loop over ``lines`` (an iterator of input lines); returns the exit status. ``out`` / ``err``:
-    sys.stdout / sys.stderr as they are at the call."""
+    sys.stdout / sys.stderr as they are at the call; ``ctrl_c``: leave (status 0) after a reply it stopped."""
     from vlm.chat_session import BadInput
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -140,6 +166,9 @@ def run(session, lines, interactive: bool, show_concepts: bool, out=None, err=No
             print("assistant: ", end="", file=out, flush=True)
         session.send(line, on_text=lambda piece: print(piece, end="", file=out, flush=True))
         print(file=out, flush=True)
+        if ctrl_c is not None and ctrl_c.requested:
+            print(file=err)
+            return 0
         if show_concepts:
             try:
                 marked, count, stats = session.concept_marks()
@@ -189,7 +218,8 @@ def main(argv=None) -> int:
         print(f"chatting with {args.model} on {next(model.parameters()).device} "
               "(/image PATH, /reset, /quit; --help for more)", file=sys.stderr)
     try:
-        return run(session, terminal_lines() if interactive else sys.stdin, interactive, args.show_concepts)
+        return run(session, terminal_lines() if interactive else sys.stdin, interactive, args.show_concepts,
+                   ctrl_c=CtrlC(session).install())
     except KeyboardInterrupt:  # Ctrl-C: stop a reply being generated and leave
         session.interrupt()
         print(file=sys.stderr)

@@ -10,7 +10,7 @@ import torch
 from _eval_helpers import REPO, TINY_VLM_PRESET, build_tiny_vlm, tokenizer_token_ids
 from transformers import AutoTokenizer
 
-from vlm.chat import main, run
+from vlm.chat import CtrlC, main, run
 from vlm.chat_session import CONCEPT_MARK, BadInput, ChatSession
 from vlm.modeling.configuration_conceptmoe_vl import ConceptMoEVLMConfig
 from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
@@ -189,3 +189,29 @@ def test_sampling_follows_the_seed(tiny):
         set_seed(seed)
         replies.append(ChatSession(model, processor, max_new_tokens=N_NEW, temperature=1.5, top_p=0.95).send("Hi"))
     assert replies[0] == replies[1] and replies[0] != replies[2]
+
+
+def test_ctrl_c_during_a_reply_stops_it_and_the_chat_leaves(tiny):
+    """The SIGINT handler mid-reply sets the stop event (no KeyboardInterrupt inside the streamer's queue):
+    the reply ends within a few tokens, run() returns 0 and reads no further line; with no reply being
+    generated it raises KeyboardInterrupt (Ctrl-C at the prompt leaves as before)."""
+    model, processor = tiny
+    session = ChatSession(model, processor, max_new_tokens=400)
+    session.options["min_new_tokens"] = 400  # no early end of sequence: only the stop can end the reply
+    ctrl_c = CtrlC(session)
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c()
+
+    class Out(io.StringIO):
+        def write(self, text):
+            if text.strip() and not ctrl_c.requested:  # the first streamed piece: Ctrl-C
+                ctrl_c()
+            return super().write(text)
+
+    lines = iter(["Hello there", "a second message, never read"])
+    assert run(session, lines, False, False, Out(), io.StringIO(), ctrl_c=ctrl_c) == 0
+    assert ctrl_c.requested and next(lines) == "a second message, never read"
+    inputs, ids = session.last
+    assert 0 < ids.shape[1] - inputs["input_ids"].shape[1] < 50
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c()  # the reply's thread has ended
