@@ -169,4 +169,6 @@ def test_disconnecting_stream_frees_its_row(server):
     assert engine.stats["cancelled"] == cancelled + 1 and engine.held_bytes() == 0
     metrics = httpx.get(f"{url}/metrics").text
     assert "vlm_kv_bytes_held 0" in metrics and "vlm_requests_cancelled_total" in metrics
+    allocated = engine.allocated_bytes()  # the pool stays allocated after the row left: a gauge of its own
+    assert allocated > 0 and f"\nvlm_kv_bytes_allocated {allocated}\n" in metrics
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
