@@ -1,10 +1,10 @@
 """KV admission, ConceptMoE vs its matched MoE: the admission section of benchmarks/serving.py.
 
 The engine admits a request when its caches fit the KV budget, counting the bytes they are allocated at
-(``vlm.serving.engine.planned_bytes``): each token layer at the capacity, each concept layer at
-capacity / R + headroom. The MoE's L layers are all token layers; the ConceptMoE's encoder (L_E) and
-decoder (L_D) layers stay at full length and only its L_C concept layers shrink, so under one budget it
-admits at most
+(``vlm.serving.engine.planned_bytes``): each token layer at the capacity (rounded up to the engine's
+capacity bucket, as its slots are), each concept layer at capacity / R + headroom. The MoE's L layers are
+all token layers; the ConceptMoE's encoder (L_E) and decoder (L_D) layers stay at full length and only its
+L_C concept layers shrink, so under one budget it admits at most
 
     admitted(ConceptMoE) / admitted(MoE) <= L / (L_E + L_D + L_C / R)
 
@@ -34,19 +34,13 @@ LAYOUTS = (("CPU pair", "cpu"),
            ("1L at 32 layers (solved)", _SPEED))
 
 
-def _caches(model, capacity: int):
-    from vlm.modeling.generation import DecodeState
-    from vlm.serving.engine import language_model
-    lm = language_model(model)
-    return DecodeState.allocate(lm.model, 1, capacity, "meta", next(lm.parameters()).dtype)
-
-
 def structural_bound(base, con) -> float:
     """L / (L_E + L_D + L_C / R): the MoE's cache count over the ConceptMoE's in full-length units
     (concept caches at 1 / R each, R the ratio they are sized for; headroom left out)."""
     from vlm.modeling.generation import planned_ratio
-    n_moe = len(_caches(base, 1).token_caches)
-    state = _caches(con, 1)
+    from vlm.serving.engine import planned_state
+    n_moe = len(planned_state(base, 1).token_caches)
+    state = planned_state(con, 1)
     return n_moe / (len(state.token_caches) + len(state.concept_caches) / planned_ratio(con.config))
 
 

@@ -40,14 +40,16 @@ def language_model(model):
     return getattr(model, "language_model", model)
 
 
-def planned_bytes(model, capacity: int, fixed_shape: bool = False) -> int:
-    """KV bytes of one request's caches at ``capacity`` token slots (token layers at capacity, concept
-    layers at capacity / R + headroom), from the model's cache layout (allocated on the meta device);
-    ``fixed_shape``: a slot of the engine's table (the capacity rounded up to its ``capacity_bucket``)."""
+def planned_state(model, capacity: int) -> DecodeState:
+    """One request's caches as a slot of the engine's table allocates them, on the meta device: token
+    layers at ``capacity_bucket(capacity)`` slots, concept layers at that / R + headroom."""
     lm = language_model(model)
-    p = next(lm.parameters())
-    return held_bytes(DecodeState.allocate(lm.model, 1, capacity_bucket(capacity) if fixed_shape else capacity,
-                                           "meta", p.dtype))
+    return DecodeState.allocate(lm.model, 1, capacity_bucket(capacity), "meta", next(lm.parameters()).dtype)
+
+
+def planned_bytes(model, capacity: int) -> int:
+    """KV bytes admission counts for one request of ``capacity`` token slots (``planned_state``)."""
+    return held_bytes(planned_state(model, capacity))
 
 
 class Engine:
@@ -66,7 +68,7 @@ class Engine:
         p = next(self.lm.parameters())
         mode = step_mode(decode, p.device, p.dtype)
         self.decode = "graphs" if mode == "cudagraph" else "eager"
-        self.request_bytes = planned_bytes(model, self.capacity, fixed_shape=True)
+        self.request_bytes = planned_bytes(model, self.capacity)
         self.kv_budget = int(kv_budget) if kv_budget is not None else self.request_bytes * self.max_rows
         if self.kv_budget < self.request_bytes:
             raise ValueError(f"kv budget {self.kv_budget} B holds no request ({self.request_bytes} B each)")

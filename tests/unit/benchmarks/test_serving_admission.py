@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.serving import _Numbers
 from benchmarks.serving_admission import TARGET, engine_admission, plan_layouts
+from vlm.modeling.decode_pool import capacity_bucket
 from vlm.modeling.generation import planned_ratio
 
 
@@ -45,6 +46,18 @@ def test_engine_peak_rows_are_the_budget_over_each_requests_bytes(tiny_model):
     assert got["concept"]["peak_rows"] == got["concept"]["planned"] == budget // con_b > budget_requests
     assert got["concept"]["requests"] > got["concept"]["peak_rows"]  # the budget, not the requests, bound it
     assert got["matches_plan"] and got["peak_ratio"] == (budget // con_b) / budget_requests
+
+
+def test_the_plan_counts_a_request_at_its_slot_between_capacity_buckets(tiny_model):
+    """The engine's slots hold the capacity rounded up to its capacity bucket (200 -> 208 token slots):
+    the planned bytes and rows are those, so the engine admits exactly the planned rows."""
+    moe, concept = tiny_model("tiny"), tiny_model("tiny_concept")
+    capacity, slots = 200, capacity_bucket(200)
+    assert slots > capacity
+    got = engine_admission(moe, concept, _Numbers(), capacity=capacity, budget_requests=8)
+    assert [got[k]["bytes_per_request"] for k in ("moe", "concept")] == [
+        request_bytes(m.config, slots, 4) for m in (moe, concept)]
+    assert got["moe"]["peak_rows"] == got["moe"]["planned"] == 8 and got["matches_plan"]
 
 
 SPLITS = {"CPU pair": (1, 2, 1), "speed pair": (4, 24, 4), "12B pair": (4, 16, 4), "1L at 32 layers (solved)": (1, 30, 1)}
