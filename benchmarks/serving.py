@@ -31,7 +31,14 @@ from benchmarks.cli import base_parser, logger, setup
 from benchmarks.harness import stats
 from benchmarks.model_pair import add_pair_args, build_model, load_pair, random_ids
 from benchmarks.report import finish, fmt_num, md_table, settings_line, write_results
-from benchmarks.serving_admission import BUDGET_MOE_REQUESTS, REQUEST_LEN, TARGET, engine_admission, plan, plan_layouts
+from benchmarks.serving_admission import (
+    BUDGET_MOE_REQUESTS,
+    REQUEST_LEN,
+    TARGET,
+    engine_admission,
+    plan,
+    plan_layouts,
+)
 
 NAME = "serving"
 PRESETS = {"smoke": [1, 4], "cpu": [1, 8, 32], "gpu": [1, 8, 32]}

@@ -122,7 +122,9 @@ def image_use(model, processor, records: list[dict], image_root: str, batch_size
 
 def measure_export(hf: str, vqa_json: str, image_root: str, n: int, batch_size: int = 64) -> dict:
     """``image_use`` of an HF export on the first ``n`` image records of ``vqa_json``."""
-    from vlm.modeling.modeling_conceptmoe_vl import ConceptMoEVLMForConditionalGeneration
+    from vlm.modeling.modeling_conceptmoe_vl import (
+        ConceptMoEVLMForConditionalGeneration,
+    )
     from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
 
     model = ConceptMoEVLMForConditionalGeneration.from_pretrained(hf).eval()

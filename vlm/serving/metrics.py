@@ -15,8 +15,7 @@ def prometheus_text(engine, http_errors: dict[int, int]) -> str:
         ("vlm_generated_tokens_total", "counter", "tokens sampled", s["tokens"]),
         ("vlm_tokens_per_second", "gauge", "tokens sampled per second over the last 10 s", engine.tokens_per_s()),
         ("vlm_kv_bytes_held", "gauge", "bytes of the active rows' token and concept caches", engine.held_bytes()),
-        ("vlm_kv_bytes_allocated", "gauge", "bytes of the slot table's pool (every slot, allocated at the first "
-         "request)", engine.allocated_bytes()),
+        ("vlm_kv_bytes_allocated", "gauge", "bytes of the slot table's pool (all slots)", engine.allocated_bytes()),
         ("vlm_kv_budget_bytes", "gauge", "the KV budget admission counts against", engine.kv_budget),
         ("vlm_kv_bytes_per_request", "gauge", "bytes one request's caches are allocated at", engine.request_bytes),
         ("vlm_achieved_ratio", "gauge", "tokens per concept-cache entry over the served and active requests (0: none)",
