@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vlm.compare.vlm_probe import image_records
+from vlm.compare.vlm_probe import image_records, load_export
 
 
 def swap_partners(records: list[dict]) -> list[int]:
@@ -122,13 +122,7 @@ def image_use(model, processor, records: list[dict], image_root: str, batch_size
 
 def measure_export(hf: str, vqa_json: str, image_root: str, n: int, batch_size: int = 64) -> dict:
     """``image_use`` of an HF export on the first ``n`` image records of ``vqa_json``."""
-    from vlm.modeling.modeling_conceptmoe_vl import (
-        ConceptMoEVLMForConditionalGeneration,
-    )
-    from vlm.modeling.processing_conceptmoe_vl import ConceptMoEVLMProcessor
-
-    model = ConceptMoEVLMForConditionalGeneration.from_pretrained(hf).eval()
-    processor = ConceptMoEVLMProcessor.from_pretrained(hf)
+    model, processor = load_export(hf)
     return image_use(model, processor, image_records(vqa_json, n), image_root, batch_size)
 
 

@@ -19,7 +19,8 @@ def image_records(vqa_json: str, n: int) -> list[dict]:
     return [r for r in records if r.get("image")][:n]
 
 
-def _load(hf: str):
+def load_export(hf: str):
+    """(model in eval mode, processor) of an HF export of the VLM."""
     from vlm.modeling.modeling_conceptmoe_vl import (
         ConceptMoEVLMForConditionalGeneration,
     )
@@ -62,7 +63,7 @@ def probe(arms: dict[str, str], vqa_json: str, image_root: str, batch: int, reps
     from vlm.visualize import render_boundaries
 
     records = image_records(vqa_json, batch)
-    loaded = {a: _load(hf) for a, hf in arms.items()}
+    loaded = {a: load_export(hf) for a, hf in arms.items()}
     inputs = {}
     for a, (model, processor) in loaded.items():
         enc, images = _batch(processor, records, image_root)
