@@ -87,8 +87,8 @@ class StaticStep:
                 cache.static = True
         else:
             capacity = capacity or capacity_bucket(state.token_caches[0].capacity)
-            slot = self.slot = DecodeState([_empty_cache(c, capacity) for c in state.token_caches],
-                                           [_empty_cache(c, c.capacity) for c in state.concept_caches])
+            slot = self.slot = DecodeState([empty_cache(c, capacity) for c in state.token_caches],
+                                           [empty_cache(c, c.capacity) for c in state.concept_caches])
             for name in CARRY:  # buffers of its own (the prefill's may be views of its inputs)
                 t = getattr(state, name)
                 setattr(slot, name, None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format))
@@ -210,7 +210,7 @@ class StaticStep:
             torch._dynamo.mark_static_address(t)
 
 
-def _empty_cache(cache, capacity: int):
+def empty_cache(cache, capacity: int):
     """A cache object like ``cache`` (same class and host fields) on zero buffers of ``capacity`` slots."""
     out = copy.copy(cache)
     B, H, _, D = cache.k.shape

@@ -78,8 +78,8 @@ def share(state, slot) -> None:
 def detach(state) -> None:
     """``state`` given copies of everything it shares with its step's buffers, and no step: another
     state may take the buffers now, or this one replaces its tensors (batch rows, more slots)."""
-    state.token_caches = [_own(c) for c in state.token_caches]
-    state.concept_caches = [_own(c) for c in state.concept_caches]
+    state.token_caches = [map_tensors(c, torch.Tensor.clone) for c in state.token_caches]
+    state.concept_caches = [map_tensors(c, torch.Tensor.clone) for c in state.concept_caches]
     for name in CARRY:
         t = getattr(state, name)
         if t is not None:
@@ -87,11 +87,12 @@ def detach(state) -> None:
     state.runner = None
 
 
-def _own(cache):
+def map_tensors(cache, fn):
+    """A cache object like ``cache`` (same class and host fields) with ``fn(t)`` for each of its tensors."""
     out = copy.copy(cache)
     for name, t in vars(cache).items():
         if torch.is_tensor(t):
-            setattr(out, name, t.clone())
+            setattr(out, name, fn(t))
     return out
 
 

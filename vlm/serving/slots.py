@@ -18,13 +18,12 @@ their planned size when the table empties.
 from __future__ import annotations
 
 import collections
-import copy
 
 import torch
 
 from vlm.modeling import generation
-from vlm.modeling.decode_graph import StaticStep
-from vlm.modeling.decode_pool import CARRY
+from vlm.modeling.decode_graph import StaticStep, empty_cache
+from vlm.modeling.decode_pool import CARRY, fill_slots, map_tensors
 from vlm.modeling.generation import CAPTURED_DTYPE, DecodeState, grown_capacity
 from vlm.modeling.verdicts import proven
 
@@ -110,7 +109,7 @@ class SlotTable:
             C, room = theirs.capacity, mine.capacity - theirs.capacity
             for name in ("k", "v"):
                 row = getattr(mine, name)[slot]
-                row.narrow(1, 0, C).copy_(getattr(theirs, name)[b])
+                fill_slots(row, getattr(theirs, name)[b], 1)
                 row.narrow(1, C, room).zero_()
             mine.valid_BC[slot].zero_()
             mine.valid_BC[slot, :C].copy_(theirs.valid_BC[b])
@@ -236,16 +235,12 @@ class SlotTable:
 
 def _rows(cache, B: int):
     """``cache`` over its first ``B`` rows: the same host fields, views of its tensors."""
-    out = copy.copy(cache)
-    for name, t in vars(cache).items():
-        if torch.is_tensor(t):
-            setattr(out, name, t[:B])
-    return out
+    return map_tensors(cache, lambda t: t[:B])
 
 
 def _reallocate(cache, capacity: int) -> None:
-    """``cache`` on fresh zero buffers of ``capacity`` slots (every row empty)."""
-    B, H, _, D = cache.k.shape
-    cache.k, cache.v = cache.k.new_zeros(B, H, capacity, D), cache.v.new_zeros(B, H, capacity, D)
-    cache.valid_BC = cache.valid_BC.new_zeros(B, capacity)
+    """``cache`` on fresh zero buffers of ``capacity`` slots (every row empty), in place (its length
+    tensor kept: the bucket views share it)."""
+    fresh = empty_cache(cache, capacity)
+    cache.k, cache.v, cache.valid_BC = fresh.k, fresh.v, fresh.valid_BC
     cache.len_B.zero_()
