@@ -27,7 +27,7 @@
 #
 # Env: DEVICE (cuda | cpu: the CPU rehearsal, scripts/gpu_rehearsal.sh, at tiny sizes), PY,
 # GPU_CHECK_KIT (.gpu_kit), GPU_CHECK_BUDGET_S (480), GPU_CHECK_STEPS (tests,verdicts,train,mfu,bench),
-# GPU_CHECK_BENCH (overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe),
+# GPU_CHECK_BENCH (overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe,serving),
 # GPU_CHECK_DRY_RUN=1 (print the commands, run nothing).
 # the whole script is one { ...; exit; } block: bash parses it before running, so editing the file
 # during a run cannot change what runs
@@ -39,7 +39,7 @@ ROOT=$PWD
 DRY=${GPU_CHECK_DRY_RUN:-0}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 STEPS=${GPU_CHECK_STEPS:-tests,verdicts,train,mfu,bench}
-BENCHES=${GPU_CHECK_BENCH:-overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe}
+BENCHES=${GPU_CHECK_BENCH:-overhead,fused-kernels,decode,prefill,inference,dechunk,train-packed,attention,moe,serving}
 DEVICE=${DEVICE:-cuda}
 KIT=${GPU_CHECK_KIT:-.gpu_kit}
 OUTDIR=${GPU_CHECK_OUT:-runs/gpu_check/out}
@@ -218,6 +218,9 @@ if wants bench; then
   bench train-packed 110 --sizes 8192 --calib-steps 100 --calib-max-steps 100
   bench attention 45 --sizes 8192,16384
   bench moe 40 --sizes 64,1024,16384
+  # issue 41: the serving engine (its default decode: eager until decode_cudagraph is proven) vs sequential and
+  # static-batch generate at concurrency 1/8/32, and KV admission of 8K requests on the GPU pair
+  bench serving 90 --sizes 1,8,32
   step bench-summary 20 "$PY" -m benchmarks.run_all --summary-only --device "$DEVICE" --out "$BENCH_OUT"
 fi
 
