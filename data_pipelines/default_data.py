@@ -50,6 +50,14 @@ def load_digits_arrays():
     return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
 
+def digit_split_indices(n: int) -> dict[str, np.ndarray]:
+    """{split: image indices} of the digits' fixed train / val / test split (also the scenes' glyph pools)."""
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_val = round(n * DIGIT_SPLITS["val"])
+    n_test = round(n * DIGIT_SPLITS["test"])
+    return {"val": order[:n_val], "test": order[n_val:n_val + n_test], "train": order[n_val + n_test:]}
+
+
 def build_digits(out: str) -> dict:
     """Write the digit PNGs and the three LLaVA JSON splits; return counts."""
     from PIL import Image
@@ -60,11 +68,7 @@ def build_digits(out: str) -> dict:
         pixels = np.rint(image * (255.0 / 16.0)).astype(np.uint8)
         Image.fromarray(pixels, mode="L").save(os.path.join(out, "images", "digits", f"{i}.png"))
 
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(images))
-    n_val = round(len(images) * DIGIT_SPLITS["val"])
-    n_test = round(len(images) * DIGIT_SPLITS["test"])
-    split_indices = {"val": order[:n_val], "test": order[n_val:n_val + n_test],
-                     "train": order[n_val + n_test:]}
+    split_indices = digit_split_indices(len(images))
     counts = {}
     for split, indices in split_indices.items():
         records = []

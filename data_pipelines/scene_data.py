@@ -1,16 +1,20 @@
 """Synthetic glyph scenes for the VLM compression study (issue 40): offline, deterministic from a seed.
 
-Each 32x32 RGB scene (8x8 = 64 patches of the tiny ViT at 4x4) has a 2x2 quadrant layout; each
-quadrant holds a coloured digit, a coloured shape or nothing, at a random offset, drawn small (3x5 px
-font) or large (2x that) on a background of clutter level clean / low / high. Questions by kind:
-identity, position, counting, comparison, reading (two digits left to right), text (no image).
-Every record carries the scene's metadata (clutter, glyph_size, glyphs) so accuracy can be split.
+Each 64x64 RGB scene (8x8 = 64 patches of the scene tower at 8x8 px) has a 2x2 quadrant layout of
+4x4 patches each; a quadrant holds a coloured handwritten digit (sklearn's 8x8 digits, the default
+task's own train / val / test split, so held-out scenes carry held-out handwriting), a coloured shape
+or nothing, at a random place on the patch grid: small (a digit fills one patch) or large (2x, a digit
+spans 2x2 patches), on a background of clutter level clean / low / high. Most of each quadrant is
+background: the tokens a merge can spare. Questions by kind: identity,
+position, counting, comparison, reading (two digits left to right), text (no image). Every record
+carries the scene's metadata (clutter, glyph_size, glyphs) so accuracy can be split.
 
     python -m data_pipelines.scene_data --out data/scenes        (seconds; idempotent, --force rebuilds)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -19,40 +23,53 @@ import time
 
 import numpy as np
 
-IMAGE_SIZE = 32
+IMAGE_SIZE = 64
 QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")  # raster order of the 2x2 layout
 COLOURS = {"red": (230, 40, 40), "green": (40, 210, 60), "blue": (60, 90, 240), "yellow": (235, 225, 40),
            "white": (240, 240, 240)}
 CLUTTER = ("clean", "low", "high")
 SIZES = ("small", "large")
-KINDS = ("identity", "position", "counting", "comparison", "reading", "text")
+KINDS = ("identity", "position", "counting", "comparison", "reading", "text", "describe")
+TRAIN_ONLY_KINDS = ("describe",)  # in the train split only: never scored
 SPLITS = {"train": (3000, 1), "val": (150, 2), "test": (400, 3)}  # scenes, seed offset (disjoint streams)
-FONT = {  # 3x5 bitmap digits, rows top to bottom
-    0: ("111", "101", "101", "101", "111"), 1: ("010", "110", "010", "010", "111"),
-    2: ("111", "001", "111", "100", "111"), 3: ("111", "001", "111", "001", "111"),
-    4: ("101", "101", "111", "001", "001"), 5: ("111", "100", "111", "001", "111"),
-    6: ("111", "100", "111", "101", "111"), 7: ("111", "001", "010", "010", "010"),
-    8: ("111", "101", "111", "101", "111"), 9: ("111", "101", "111", "001", "111"),
-}
+PATCH = 8  # the scene tower's patch (configs/model/vlm_scene_tiny.yaml): glyphs sit on its grid
+DIGIT_THRESHOLD = 8  # of sklearn's 0..16 ink: the drawn strokes
 SHAPES = {  # 5x5 bitmaps
     "square": ("11111", "10001", "10001", "10001", "11111"), "cross": ("00100", "00100", "11111", "00100", "00100"),
     "triangle": ("00100", "01010", "01010", "10001", "11111"), "diamond": ("00100", "01010", "10001", "01010", "00100"),
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _digit_arrays() -> tuple[np.ndarray, np.ndarray]:
+    from data_pipelines.default_data import load_digits_arrays
+
+    return load_digits_arrays()
+
+
 def glyph_bitmap(glyph: dict) -> np.ndarray:
-    """Bool[h, w] of a glyph at its scale (1 = small, 2 = large)."""
-    rows = FONT[glyph["digit"]] if glyph["type"] == "digit" else SHAPES[glyph["shape"]]
-    bm = np.array([[c == "1" for c in r] for r in rows], dtype=bool)
+    """Bool[h, w] of a glyph at its scale: a digit is its sklearn image's strokes (8x8 per scale)."""
+    if glyph["type"] == "digit":
+        bm = _digit_arrays()[0][glyph["source"]] >= DIGIT_THRESHOLD
+    else:
+        bm = np.array([[c == "1" for c in r] for r in SHAPES[glyph["shape"]]], dtype=bool)
     s = glyph["scale"]
     return np.kron(bm, np.ones((s, s), dtype=bool))
 
 
-def sample_scene(rng: np.random.Generator) -> dict:
-    """Scene metadata: clutter, glyph size and one entry per quadrant (None = empty); >= 2 digits."""
+def digit_pools() -> dict[str, np.ndarray]:
+    """{split: sklearn digit indices} the scenes of that split draw their digits from."""
+    from data_pipelines.default_data import digit_split_indices
+
+    return digit_split_indices(len(_digit_arrays()[1]))
+
+
+def sample_scene(rng: np.random.Generator, pool: np.ndarray) -> dict:
+    """Scene metadata: clutter, glyph size and one entry per quadrant (None = empty); >= 2 digits, each
+    an image of ``pool`` (sklearn digit indices)."""
     clutter = CLUTTER[int(rng.integers(len(CLUTTER)))]
     size = SIZES[int(rng.integers(len(SIZES)))]
-    scale = 1 if size == "small" else 2
+    large = size == "large"
     while True:
         types = [rng.choice(["digit", "shape", "none"], p=[0.55, 0.3, 0.15]) for _ in QUADRANTS]
         if sum(t == "digit" for t in types) >= 2:
@@ -62,16 +79,18 @@ def sample_scene(rng: np.random.Generator) -> dict:
         if t == "none":
             glyphs.append(None)
             continue
-        g = {"quadrant": QUADRANTS[q], "type": str(t), "colour": list(COLOURS)[int(rng.integers(len(COLOURS)))],
-             "scale": scale}
+        g = {"quadrant": QUADRANTS[q], "type": str(t), "colour": list(COLOURS)[int(rng.integers(len(COLOURS)))]}
         if t == "digit":
-            g["digit"] = int(rng.integers(10))
+            g["source"] = int(pool[int(rng.integers(len(pool)))])
+            g["digit"] = int(_digit_arrays()[1][g["source"]])
+            g["scale"] = 2 if large else 1
         else:
             g["shape"] = list(SHAPES)[int(rng.integers(len(SHAPES)))]
+            g["scale"] = 3 if large else 1
         h, w = glyph_bitmap(g).shape
         half = IMAGE_SIZE // 2
-        g["y"] = (q // 2) * half + int(rng.integers(0, half - h + 1))
-        g["x"] = (q % 2) * half + int(rng.integers(0, half - w + 1))
+        g["y"] = (q // 2) * half + PATCH * int(rng.integers(0, (half - h) // PATCH + 1))
+        g["x"] = (q % 2) * half + PATCH * int(rng.integers(0, (half - w) // PATCH + 1))
         g["h"], g["w"] = h, w
         glyphs.append(g)
     return {"clutter": clutter, "glyph_size": size, "glyphs": glyphs,
@@ -79,7 +98,7 @@ def sample_scene(rng: np.random.Generator) -> dict:
 
 
 def render(scene: dict) -> np.ndarray:
-    """uint8[32, 32, 3]: background clutter (dim grey / dim colour specks, never as bright as a glyph),
+    """uint8[IMAGE_SIZE, IMAGE_SIZE, 3]: background clutter (dim grey / dim colour specks, never as bright as a glyph),
     then the glyphs in their colours."""
     rng = np.random.default_rng(scene["background_seed"])
     img = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 20, dtype=np.uint8)
@@ -139,20 +158,31 @@ def questions(scene: dict, rng: np.random.Generator) -> list[tuple[str, str, str
     return out
 
 
+def describe(scene: dict) -> str:
+    """The scene's caption, quadrant by quadrant in raster order: "top-left: red 3. top-right: nothing. ..."."""
+    parts = []
+    for q, g in zip(QUADRANTS, scene["glyphs"]):
+        what = "nothing" if g is None else f"{g['colour']} {g['digit'] if g['type'] == 'digit' else g['shape']}"
+        parts.append(f"{q}: {what}.")
+    return " ".join(parts)
+
+
 def text_question(rng: np.random.Generator) -> tuple[str, str, str]:
     """The text-only control: the same comparison skill with no image."""
     a, b = (int(x) for x in rng.choice(10, size=2, replace=False))
     return "text", f"Which is larger, {a} or {b}?", str(max(a, b))
 
 
-def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: float = 0.15) -> list[dict]:
+def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: float = 0.15,
+                captions: bool = False) -> list[dict]:
     from PIL import Image
 
     rng = np.random.default_rng(seed)
+    pool = digit_pools()[split]
     os.makedirs(os.path.join(out, "images", "scenes"), exist_ok=True)
     records = []
     for i in range(n_scenes):
-        scene = sample_scene(rng)
+        scene = sample_scene(rng, pool)
         name = f"scenes/{split}-{i}.png"
         Image.fromarray(render(scene), mode="RGB").save(os.path.join(out, "images", name))
         meta = {"clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
@@ -163,6 +193,12 @@ def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: floa
                             "group": f"{kind}|{scene['clutter']}|{scene['glyph_size']}", "scene": meta,
                             "conversations": [{"from": "human", "value": f"<image>\n{question}"},
                                               {"from": "gpt", "value": answer}]})
+        if captions:  # training-only: dense supervision of every quadrant (LLaVA's stage-1 captions)
+            records.append({"id": f"{split}-{i}-describe", "kind": "describe", "image": name,
+                            "clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
+                            "group": f"describe|{scene['clutter']}|{scene['glyph_size']}", "scene": meta,
+                            "conversations": [{"from": "human", "value": "<image>\nDescribe the scene."},
+                                              {"from": "gpt", "value": describe(scene)}]})
         if rng.random() < text_share * 5:  # ~text_share of the records (about 5 image questions a scene)
             kind, question, answer = text_question(rng)
             records.append({"id": f"{split}-{i}-text", "kind": kind, "clutter": "none", "glyph_size": "none",
@@ -186,7 +222,7 @@ def build(out: str, seed: int = 0, sizes: dict | None = None, force: bool = Fals
     try:
         for split, (n, offset) in SPLITS.items():
             n = (sizes or {}).get(split, n)
-            records = build_split(staging, split, n, seed * 100 + offset)
+            records = build_split(staging, split, n, seed * 100 + offset, captions=split == "train")
             with open(os.path.join(staging, f"scenes_{split}.json"), "w", encoding="utf-8") as f:
                 json.dump(records, f, indent=0)
             counts[split] = {"scenes": n, "records": len(records),

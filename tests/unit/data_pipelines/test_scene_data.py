@@ -46,8 +46,9 @@ def test_splits_are_disjoint_scenes(built):
 
 
 def _quadrant_of(g):  # from the glyph's pixel box, not its recorded quadrant
-    row = "top" if g["y"] + g["h"] <= 16 else "bottom"
-    col = "left" if g["x"] + g["w"] <= 16 else "right"
+    half = sd.IMAGE_SIZE // 2
+    row = "top" if g["y"] + g["h"] <= half else "bottom"
+    col = "left" if g["x"] + g["w"] <= half else "right"
     return f"{row}-{col}"
 
 
@@ -72,6 +73,10 @@ def _rederive(question: str, scene: dict) -> str:
     if question.startswith("What number do the "):
         row = question.split()[4]
         return f"{where[row + '-left']['digit']}{where[row + '-right']['digit']}"
+    if question == "Describe the scene.":
+        names = {q: f"{g['colour']} {g['digit'] if g['type'] == 'digit' else g['shape']}" for q, g in where.items()}
+        return " ".join(f"{q}: {names.get(q, 'nothing')}." for q in
+                        ("top-left", "top-right", "bottom-left", "bottom-right"))
     raise AssertionError(f"unknown question {question!r}")
 
 
@@ -80,6 +85,8 @@ def test_kinds_and_answers_by_construction(built):
 
     records = json.loads((built / "a" / "scenes_train.json").read_text())
     assert {r["kind"] for r in records} == set(sd.KINDS)
+    held_out = json.loads((built / "a" / "scenes_test.json").read_text())
+    assert {r["kind"] for r in held_out} == set(sd.KINDS) - set(sd.TRAIN_ONLY_KINDS)
     for r in records:
         question, answer = r["conversations"][0]["value"], r["conversations"][1]["value"]
         if r["kind"] == "text":
@@ -100,7 +107,7 @@ def test_kinds_and_answers_by_construction(built):
 def test_clutter_is_dimmer_than_glyphs():
     rng = np.random.default_rng(0)
     for _ in range(20):
-        scene = sd.sample_scene(rng)
+        scene = sd.sample_scene(rng, sd.digit_pools()["train"])
         scene["glyphs"] = [None] * 4
         assert sd.render(scene).max() < min(max(c) for c in sd.COLOURS.values())
 
@@ -114,3 +121,19 @@ def test_scene_preset_patch_count():
     cfg = ConceptMoEVLMConfig.from_yaml(root / "configs" / "model" / "vlm_scene_tiny.yaml")
     enc = build_vision_encoder(VisionEncoderConfig(**cfg.vision))
     assert enc.num_patches >= 64 and enc.image_size == sd.IMAGE_SIZE
+
+
+def test_held_out_scenes_carry_held_out_handwriting(built):
+    """Each split's digits come from the default task's same split: no test handwriting in training."""
+    pools = {s: set(int(i) for i in idx) for s, idx in sd.digit_pools().items()}
+    for split in SIZES:
+        sources = {g["source"] for r in json.loads((built / "a" / f"scenes_{split}.json").read_text())
+                   if "scene" in r for g in r["scene"]["glyphs"] if g is not None and g["type"] == "digit"}
+        assert sources and sources <= pools[split], split
+
+
+def test_glyphs_sit_on_the_patch_grid(built):
+    for r in json.loads((built / "a" / "scenes_train.json").read_text()):
+        for g in r.get("scene", {"glyphs": []})["glyphs"]:
+            if g is not None:
+                assert g["y"] % sd.PATCH == 0 and g["x"] % sd.PATCH == 0, r["id"]
