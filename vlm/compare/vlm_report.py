@@ -19,17 +19,24 @@ KINDS = ("identity", "position", "counting", "comparison", "reading", "text")
 SPLITS = {"clutter": ("clean", "low", "high"), "glyph_size": ("small", "large")}
 
 
-def _groups(raw: dict) -> tuple[Counter, dict]:
-    """Question counts per group (kind|clutter|glyph_size) of the scored records, and the answer prior
-    per kind (accuracy of always answering the kind's most frequent answer)."""
+def _groups(raw: dict) -> tuple[Counter, dict, dict]:
+    """Question counts per group (kind|clutter|glyph_size) of the scored records, the answer prior per kind
+    (accuracy of always answering the kind's most frequent answer) and the question-only prior per kind
+    (accuracy of answering each question text with its most frequent answer: what the question alone gives,
+    e.g. 50% on "Which digit is larger, the top-left or the top-right?" by naming either)."""
     e = raw["eval"]
     records = json.loads(repo_path(e["vqa_json"]).read_text())[: e.get("limit") or None]
     counts = Counter(r["group"] for r in records)
-    prior = {}
+    prior, prior_question = {}, {}
     for k in KINDS:
-        answers = Counter(r["conversations"][1]["value"] for r in records if r["kind"] == k)
+        of_kind = [r["conversations"] for r in records if r["kind"] == k]
+        answers = Counter(c[1]["value"] for c in of_kind)
         prior[k] = max(answers.values()) / sum(answers.values()) if answers else None
-    return counts, prior
+        by_question: dict[str, Counter] = {}
+        for c in of_kind:
+            by_question.setdefault(c[0]["value"], Counter())[c[1]["value"]] += 1
+        prior_question[k] = (sum(max(a.values()) for a in by_question.values()) / len(of_kind)) if of_kind else None
+    return counts, prior, prior_question
 
 
 def _select(key: str):
@@ -195,7 +202,7 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
         maxed = lm.top_k == lm.num_experts and (not lm.chunking or lm.concept_top_k == lm.num_experts)
         row["at_limit"] = maxed and not row.get("match_ok", True) and row["flops_rel"] < 0
     match_ok = all(r.get("match_ok", True) or r["at_limit"] for r in rows)
-    counts, prior = _groups(raw)
+    counts, prior, prior_question = _groups(raw)
     metrics = {a: {r["seed"]: run_metrics(r, counts) for r in runs} for a, runs in by_arm.items()}
     keys = metric_keys()
     agg = {a: {k: _stat([m[s].get(k) for s in m]) for k in keys} for a, m in metrics.items()}
@@ -222,8 +229,9 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
     if results:
         md += ["", f"## Held-out accuracy per question kind (% , mean ± std over {len(seeds)} seed(s))", "",
                "| arm | image questions | " + " | ".join(KINDS) + " |", "|---|---:|" + "---:|" * len(KINDS)]
-        md.append("| answer prior | - | " + " | ".join("n/a" if prior[k] is None else f"{100 * prior[k]:.1f}"
-                                                      for k in KINDS) + " |")
+        for label, p in (("answer prior", prior), ("question-only prior", prior_question)):
+            md.append(f"| {label} | - | " + " | ".join("n/a" if p[k] is None else f"{100 * p[k]:.1f}"
+                                                       for k in KINDS) + " |")
         for a in arm_ids:
             if a in agg:
                 md.append(f"| {a} | {_cell(agg[a]['image'])} | " + " | ".join(_cell(agg[a][f'kind:{k}'])
@@ -308,7 +316,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
                f"![accuracy vs FLOPs]({png.name})" if have_png else "(matplotlib is not installed: no plot)"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     report = {"name": cfg["name"], "study": "vlm", "config": cfg["source"], "seeds": seeds, "match_ok": match_ok,
-              "arms": rows, "accuracy": agg, "prior": prior, "paired": pairs_out, "probe": probe_results,
+              "arms": rows, "accuracy": agg, "prior": prior,
+              "prior_question": prior_question, "paired": pairs_out, "probe": probe_results,
               "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
               "budget": budget, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))

@@ -66,7 +66,7 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
                     "Where learned merging wins or loses", "Prefill time", "Does each arm read the image?",
                     "Accuracy vs inference FLOPs"):
         assert heading in md
-    assert "| e - c |" in md and "| answer prior |" in md
+    assert "| e - c |" in md and "| answer prior |" in md and "| question-only prior |" in md
 
 
 @pytest.mark.parametrize("name", ["vlm_smoke", "vlm_cpu", "vlm_gpu"])
@@ -155,3 +155,24 @@ def test_text_fingerprint_ignores_how_samples_are_packed():
     assert digest(batch([[s2, s1], [s3]])) == one_per_row
     assert digest(batch([[s1], [s2], [s2]])) != one_per_row  # a different sample
     assert digest(batch([[s1], [s2]]), batch([[s3]])) != one_per_row  # s3 in the next step
+
+
+def test_question_only_prior_names_what_the_question_alone_gives(tmp_path):
+    """A model that answers every comparison with one of the two quadrants the question names scores 50%
+    with no image: the question-only prior says so, the per-kind answer prior does not."""
+    from vlm.compare.vlm_report import _groups
+
+    def rec(kind, q, a):
+        return {"kind": kind, "group": f"{kind}|clean|small", "conversations": [{"value": q}, {"value": a}]}
+
+    records = [rec("comparison", "Which digit is larger, the top-left or the top-right?", a)
+               for a in ("top-left", "top-right", "top-left", "top-right")]
+    records += [rec("comparison", "Which digit is larger, the bottom-left or the bottom-right?", a)
+                for a in ("bottom-left", "bottom-right", "bottom-left", "bottom-left")]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(records))
+    counts, prior, prior_question = _groups({"eval": {"vqa_json": str(path), "limit": None}})
+    assert sum(counts.values()) == 8
+    assert prior["comparison"] == 3 / 8  # "bottom-left", the most frequent answer of the kind
+    assert prior_question["comparison"] == (2 + 3) / 8  # each question's own most frequent answer
+    assert prior["identity"] is None and prior_question["identity"] is None
