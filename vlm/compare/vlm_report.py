@@ -21,22 +21,35 @@ SPLITS = {"clutter": ("clean", "low", "high"), "glyph_size": ("small", "large")}
 
 def _groups(raw: dict) -> tuple[Counter, dict, dict]:
     """Question counts per group (kind|clutter|glyph_size) of the scored records, the answer prior per kind
-    (accuracy of always answering the kind's most frequent answer) and the question-only prior per kind
-    (accuracy of answering each question text with its most frequent answer: what the question alone gives,
-    e.g. 50% on "Which digit is larger, the top-left or the top-right?" by naming either)."""
+    (accuracy of always answering the kind's most frequent answer) and the question-only prior per kind:
+    the accuracy of answering each question text with its most frequent answer in the training split beside
+    the eval file (``<x>_test.json`` -> ``<x>_train.json``; the kind's most frequent training answer for a
+    text it never saw): what the question alone gives, e.g. 50% on "Which digit is larger, the top-left or
+    the top-right?" by naming either. None per kind without that training split."""
     e = raw["eval"]
-    records = json.loads(repo_path(e["vqa_json"]).read_text())[: e.get("limit") or None]
+    path = repo_path(e["vqa_json"])
+    records = json.loads(path.read_text())[: e.get("limit") or None]
     counts = Counter(r["group"] for r in records)
+    train_path = path.with_name(path.name.replace("_test.json", "_train.json"))
+    train = json.loads(train_path.read_text()) if train_path != path and train_path.is_file() else None
     prior, prior_question = {}, {}
     for k in KINDS:
-        of_kind = [r["conversations"] for r in records if r["kind"] == k]
-        answers = Counter(c[1]["value"] for c in of_kind)
+        answers = Counter(r["conversations"][1]["value"] for r in records if r["kind"] == k)
         prior[k] = max(answers.values()) / sum(answers.values()) if answers else None
-        by_question: dict[str, Counter] = {}
-        for c in of_kind:
-            by_question.setdefault(c[0]["value"], Counter())[c[1]["value"]] += 1
-        prior_question[k] = (sum(max(a.values()) for a in by_question.values()) / len(of_kind)) if of_kind else None
+        prior_question[k] = None if train is None or not answers else _question_only(
+            [r for r in train if r["kind"] == k], [r for r in records if r["kind"] == k])
     return counts, prior, prior_question
+
+
+def _question_only(train: list[dict], scored: list[dict]) -> float:
+    by_text: dict[str, Counter] = {}
+    for r in train:
+        by_text.setdefault(r["conversations"][0]["value"], Counter())[r["conversations"][1]["value"]] += 1
+    overall = Counter(r["conversations"][1]["value"] for r in train)
+    fallback = overall.most_common(1)[0][0] if overall else None
+    guess = {q: c.most_common(1)[0][0] for q, c in by_text.items()}
+    return sum(guess.get(r["conversations"][0]["value"], fallback) == r["conversations"][1]["value"]
+               for r in scored) / len(scored)
 
 
 def _select(key: str):

@@ -158,21 +158,28 @@ def test_text_fingerprint_ignores_how_samples_are_packed():
 
 
 def test_question_only_prior_names_what_the_question_alone_gives(tmp_path):
-    """A model that answers every comparison with one of the two quadrants the question names scores 50%
-    with no image: the question-only prior says so, the per-kind answer prior does not."""
+    """A model that answers every comparison with one of the two quadrants the question names scores about
+    50% with no image: the question-only prior (each text's most frequent training answer) says so, the
+    per-kind answer prior does not; without a training split beside the eval file it is n/a, not a guess."""
     from vlm.compare.vlm_report import _groups
 
     def rec(kind, q, a):
         return {"kind": kind, "group": f"{kind}|clean|small", "conversations": [{"value": q}, {"value": a}]}
 
-    records = [rec("comparison", "Which digit is larger, the top-left or the top-right?", a)
-               for a in ("top-left", "top-right", "top-left", "top-right")]
-    records += [rec("comparison", "Which digit is larger, the bottom-left or the bottom-right?", a)
-                for a in ("bottom-left", "bottom-right", "bottom-left", "bottom-left")]
-    path = tmp_path / "eval.json"
-    path.write_text(json.dumps(records))
-    counts, prior, prior_question = _groups({"eval": {"vqa_json": str(path), "limit": None}})
-    assert sum(counts.values()) == 8
-    assert prior["comparison"] == 3 / 8  # "bottom-left", the most frequent answer of the kind
-    assert prior_question["comparison"] == (2 + 3) / 8  # each question's own most frequent answer
+    top = "Which digit is larger, the top-left or the top-right?"
+    bottom = "Which digit is larger, the bottom-left or the bottom-right?"
+    unseen = "Which digit is larger, the top-left or the bottom-right?"
+    train = [rec("comparison", top, "top-right")] * 3 + [rec("comparison", top, "top-left")] * 2
+    train += [rec("comparison", bottom, "bottom-left")] * 2 + [rec("comparison", bottom, "bottom-right")]
+    scored = [rec("comparison", top, a) for a in ("top-left", "top-right", "top-left", "top-right")]
+    scored += [rec("comparison", bottom, a) for a in ("bottom-left", "bottom-right", "bottom-left", "bottom-left")]
+    scored += [rec("comparison", unseen, "top-right")]  # never asked in training: the kind's top answer
+    (tmp_path / "s_train.json").write_text(json.dumps(train))
+    (tmp_path / "s_test.json").write_text(json.dumps(scored))
+    counts, prior, prior_question = _groups({"eval": {"vqa_json": str(tmp_path / "s_test.json"), "limit": None}})
+    assert sum(counts.values()) == 9
+    assert prior["comparison"] == 3 / 9  # "bottom-left", the most frequent scored answer of the kind
+    assert prior_question["comparison"] == (2 + 3 + 1) / 9  # top-right x2, bottom-left x3, unseen -> top-right
     assert prior["identity"] is None and prior_question["identity"] is None
+    (tmp_path / "s_train.json").unlink()
+    assert _groups({"eval": {"vqa_json": str(tmp_path / "s_test.json"), "limit": None}})[2]["comparison"] is None
