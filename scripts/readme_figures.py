@@ -14,7 +14,8 @@ docs/*.md (each KEY marked once over all pages) from those files and from ``benc
 ``vs_transformers_8K.json``: written by ``python -m benchmarks.vs_transformers --record``; ``overhead.json``: written by
 ``python -m benchmarks.overhead --record``; ``inference.json``: written by ``python -m benchmarks.inference --record``;
 ``serving.json``: written by ``python -m benchmarks.run_all --record --only serving``, rendered by
-scripts/figures_serving.py) and ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``). ``--check`` (and
+scripts/figures_serving.py), ``docs/results/tests/unit.json`` (``scripts/test_timing.py unit``) and
+``docs/results/compare_vlm/report.json`` (``make compare-vlm``'s report, rendered by scripts/figures_vlm_study.py). ``--check`` (and
 tests/unit/tools/test_readme_figures.py) compares.
 """
 from __future__ import annotations
@@ -33,11 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script file
     sys.path.insert(0, str(ROOT))
 from scripts.figures_serving import render_serving, render_serving_line
+from scripts.figures_vlm_study import render_vlm_study_line
 
 RESULTS = ROOT / "docs" / "results" / "train-vlm"
 README = ROOT / "README.md"
 BENCH = ROOT / "benchmarks" / "results"
 TESTS = ROOT / "docs" / "results" / "tests"
+STUDIES = ROOT / "docs" / "results" / "compare_vlm"
 RUN_INPUTS = ("vlm", "data_pipelines", "vision_encoders", "configs", "Makefile", "pyproject.toml")
 SPAN = re.compile(r"<!-- figures:(\w+) -->(.*?)<!-- /figures -->", re.DOTALL)
 
@@ -276,8 +279,13 @@ def rendered_tests(tests_dir: Path = TESTS) -> dict[str, str]:
     return {"tests": render_tests(json.loads((tests_dir / "unit.json").read_text(encoding="utf-8")))}
 
 
+def rendered_studies(vlm_dir: Path = STUDIES) -> dict[str, str]:
+    """The VLM study's headline (docs/results/compare_vlm/report.json, copied from make compare-vlm's report)."""
+    return {"vlm_study_line": render_vlm_study_line(json.loads((vlm_dir / "report.json").read_text(encoding="utf-8")))}
+
+
 def all_figures() -> dict[str, str]:
-    return {**rendered(), **rendered_bench(), **rendered_tests()}
+    return {**rendered(), **rendered_bench(), **rendered_tests(), **rendered_studies()}
 
 
 def pages() -> list[Path]:

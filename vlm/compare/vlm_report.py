@@ -41,6 +41,18 @@ def _groups(raw: dict) -> tuple[Counter, dict, dict]:
     return counts, prior, prior_question
 
 
+READ_MARGIN = 0.10  # an arm reads a kind when it is this far above the question-only prior
+
+
+def kinds_read(accuracy: dict, prior: dict, prior_question: dict, arm: str = "a") -> tuple[list[str], list[str]]:
+    """Image kinds (``KINDS`` but text) where ``arm``'s mean accuracy is ``READ_MARGIN`` above what the question
+    alone gives (the question-only prior; the kind's answer prior where that is None), and the rest."""
+    base = {k: prior_question.get(k) if prior_question.get(k) is not None else prior[k] for k in KINDS[:-1]}
+    read = [k for k in KINDS[:-1] if base[k] is not None and arm in accuracy
+            and (accuracy[arm][f"kind:{k}"]["mean"] or 0) - base[k] >= READ_MARGIN]
+    return read, [k for k in KINDS[:-1] if k not in read]
+
+
 def _question_only(train: list[dict], scored: list[dict]) -> float:
     by_text: dict[str, Counter] = {}
     for r in train:
@@ -249,6 +261,11 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
             if a in agg:
                 md.append(f"| {a} | {_cell(agg[a]['image'])} | " + " | ".join(_cell(agg[a][f'kind:{k}'])
                                                                           for k in KINDS) + " |")
+        read, _ = kinds_read(agg, prior, prior_question)
+        if "a" in agg and not read:
+            md += ["", (f"**No arm reads the scenes at this budget**: the full-token arm (a) is within "
+                        f"{READ_MARGIN * 100:.0f} points of the question-only prior on every image kind, so the "
+                        "differences below compare how the arms answer from the question alone, not their merges.")]
         md += ["", "## Paired differences (x - y, same seed = same data order; points of accuracy)", "",
                "| pair | image questions | " + " | ".join(KINDS) + " |", "|---|---:|" + "---:|" * len(KINDS)]
         pairs = {}
@@ -330,7 +347,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
     (out / "report.md").write_text("\n".join(md) + "\n")
     report = {"name": cfg["name"], "study": "vlm", "config": cfg["source"], "seeds": seeds, "match_ok": match_ok,
               "arms": rows, "accuracy": agg, "prior": prior,
-              "prior_question": prior_question, "paired": pairs_out, "probe": probe_results,
+              "prior_question": prior_question,
+              "kinds_read": kinds_read(agg, prior, prior_question)[0] if results else [], "paired": pairs_out, "probe": probe_results,
               "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
               "budget": budget, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))

@@ -193,6 +193,34 @@ def test_serving_figures_move_with_their_file():
         figures.render_serving_line(run)
 
 
+def test_vlm_study_line_moves_with_its_report():
+    """README's VLM study line: the kinds arm a reads (10 points above the question-only prior), the paired
+    differences with their seed spread and verdicts (none when arm a reads nothing), and e's achieved image R
+    all come from report.json."""
+    from scripts.figures_vlm_study import render_vlm_study_line
+
+    report = json.loads((figures.STUDIES / "report.json").read_text())
+    report["prior_question"] = {k: 0.2 for k in ("identity", "position", "counting", "comparison", "reading", "text")}
+    report["accuracy"]["a"]["kind:counting"]["mean"] = 0.55
+    for k in ("identity", "position", "comparison", "reading"):
+        report["accuracy"]["a"][f"kind:{k}"]["mean"] = 0.25
+    report["paired"]["e-c"]["image"].update(mean=0.0421, std=0.011, n=3)
+    report["paired"]["e-c"]["kind:counting"].update(mean=-0.05, std=0.01, n=3)
+    report["paired"]["e-b"]["image"].update(mean=0.01, std=0.02, n=3)
+    next(a for a in report["arms"] if a["arm"] == "e")["ratio_image"] = 3.87
+    line = render_vlm_study_line(report)
+    assert "the full-token arm (a) reads counting 55.0% (question alone 20.0%)" in line
+    assert "but not identity, position, comparison, reading (within 10 points of the question alone)" in line
+    assert "vs avg pooling (c) +4.2 ± 1.1 points on image questions (wins)" in line
+    assert "vs pixel shuffle (b) +1.0 ± 2.0 points on image questions (within the seed spread)" in line
+    assert "e-c per read kind: counting -5.0 (loses)" in line and "image R 3.87 (target 4)" in line
+    assert line.count("\n") == 0 and render_vlm_study_line(report) == line
+    report["accuracy"]["a"]["kind:counting"]["mean"] = 0.25  # now no kind is read: no verdicts, said so
+    line = render_vlm_study_line(report)
+    assert "no arm reads the scenes" in line and "counting 25.0% vs 20.0%" in line
+    assert "compare answer habits, not merges" in line and "(wins)" not in line and "(loses)" not in line
+
+
 def test_each_figure_names_the_cpu_its_file_records():
     """Issue 39: README's figures came from another CPU than a new user's, and did not say which. Every
     rendered sentence names the CPU model its result file records; a file from before the writers recorded
