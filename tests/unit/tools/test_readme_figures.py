@@ -25,7 +25,7 @@ def test_readme_figures_are_the_committed_runs():
     spans = figures.page_spans()
     expected = figures.all_figures()
     assert set(spans) == {"train", "eval", "bench", "vs_transformers", "overhead", "inference", "tests", "serving",
-                          "serving_line"}
+                          "serving_line", "vlm_study_line"}
     assert "train" in figures.readme_spans(figures.README.read_text(encoding="utf-8"))  # the demo's result: README
     for key, text in expected.items():
         assert spans[key] == text, f"figures:{key} differ from docs/results/train-vlm/, benchmarks/results/ " \
