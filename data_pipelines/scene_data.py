@@ -187,18 +187,15 @@ def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: floa
         Image.fromarray(render(scene), mode="RGB").save(os.path.join(out, "images", name))
         meta = {"clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
                 "glyphs": scene["glyphs"], "background_seed": scene["background_seed"]}
-        for kind, question, answer in questions(scene, rng):
+        asked = questions(scene, rng)
+        if captions:  # training-only: dense supervision of every quadrant (LLaVA's stage-1 captions)
+            asked.append(("describe", "Describe the scene.", describe(scene)))
+        for kind, question, answer in asked:
             records.append({"id": f"{split}-{i}-{kind}", "kind": kind, "image": name,
                             "clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
                             "group": f"{kind}|{scene['clutter']}|{scene['glyph_size']}", "scene": meta,
                             "conversations": [{"from": "human", "value": f"<image>\n{question}"},
                                               {"from": "gpt", "value": answer}]})
-        if captions:  # training-only: dense supervision of every quadrant (LLaVA's stage-1 captions)
-            records.append({"id": f"{split}-{i}-describe", "kind": "describe", "image": name,
-                            "clutter": scene["clutter"], "glyph_size": scene["glyph_size"],
-                            "group": f"describe|{scene['clutter']}|{scene['glyph_size']}", "scene": meta,
-                            "conversations": [{"from": "human", "value": "<image>\nDescribe the scene."},
-                                              {"from": "gpt", "value": describe(scene)}]})
         if rng.random() < text_share * 5:  # ~text_share of the records (about 5 image questions a scene)
             kind, question, answer = text_question(rng)
             records.append({"id": f"{split}-{i}-text", "kind": kind, "clutter": "none", "glyph_size": "none",
