@@ -7,7 +7,7 @@ the differences), and only as a comparison of merges when arm a reads some kind.
 """
 from __future__ import annotations
 
-from vlm.compare.vlm_report import READ_MARGIN, kinds_read
+from vlm.compare.vlm_report import READ_MARGIN, baseline, kinds_read
 
 SOURCE = "`docs/results/compare_vlm/report.json`"
 PAIRS = (("e-c", "avg pooling (c)"), ("e-b", "pixel shuffle (b)"), ("e-a", "all patches (a)"))
@@ -33,20 +33,18 @@ def render_vlm_study_line(report: dict) -> str:
     prior, prior_question = report["prior"], report.get("prior_question") or {}
     read, rest = kinds_read(acc, prior, prior_question)
     what = "question alone" if prior_question else "answer prior"
-
-    def base(k):
-        return prior_question[k] if prior_question.get(k) is not None else prior[k]
+    base = baseline(prior, prior_question)
 
     head = f"{len(report['seeds'])} seeds, {report['budget'].split(',')[0]} per arm: "
     if read:
         head += "the full-token arm (a) reads " + ", ".join(
-            f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} ({what} {_pct(base(k))})" for k in read)
+            f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} ({what} {_pct(base[k])})" for k in read)
         if rest:
             head += f" but not {', '.join(rest)} (within {READ_MARGIN * 100:.0f} points of the {what})"
     else:
         head += (f"no arm reads the scenes (the full-token arm a is within {READ_MARGIN * 100:.0f} points of the "
                  f"{what} on every image kind: " + ", ".join(
-                     f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} vs {_pct(base(k))}" for k in rest) + ")")
+                     f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} vs {_pct(base[k])}" for k in rest) + ")")
     parts = [head]
     pairs = [(key, label) for key, label in PAIRS if key in paired]
     if pairs:

@@ -44,10 +44,15 @@ def _groups(raw: dict) -> tuple[Counter, dict, dict]:
 READ_MARGIN = 0.10  # an arm reads a kind when it is this far above the question-only prior
 
 
+def baseline(prior: dict, prior_question: dict) -> dict:
+    """Per image kind (``KINDS`` but text): what the question alone gives, the question-only prior, or the
+    kind's answer prior where that is None (a report written without a training split)."""
+    return {k: prior_question.get(k) if prior_question.get(k) is not None else prior[k] for k in KINDS[:-1]}
+
+
 def kinds_read(accuracy: dict, prior: dict, prior_question: dict, arm: str = "a") -> tuple[list[str], list[str]]:
-    """Image kinds (``KINDS`` but text) where ``arm``'s mean accuracy is ``READ_MARGIN`` above what the question
-    alone gives (the question-only prior; the kind's answer prior where that is None), and the rest."""
-    base = {k: prior_question.get(k) if prior_question.get(k) is not None else prior[k] for k in KINDS[:-1]}
+    """Image kinds where ``arm``'s mean accuracy is ``READ_MARGIN`` above ``baseline``, and the rest."""
+    base = baseline(prior, prior_question)
     read = [k for k in KINDS[:-1] if base[k] is not None and arm in accuracy
             and (accuracy[arm][f"kind:{k}"]["mean"] or 0) - base[k] >= READ_MARGIN]
     return read, [k for k in KINDS[:-1] if k not in read]
@@ -251,6 +256,7 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
         if r["at_limit"]:
             md.append(f"- arm {r['arm']} cannot reach arm {r['match_to']}'s FLOPs per sample: it spends "
                       f"{-r['flops_rel']:.1%} less even with every expert active (top-k = E); compared as is.")
+    read = kinds_read(agg, prior, prior_question)[0] if results else []
     if results:
         md += ["", f"## Held-out accuracy per question kind (% , mean ± std over {len(seeds)} seed(s))", "",
                "| arm | image questions | " + " | ".join(KINDS) + " |", "|---|---:|" + "---:|" * len(KINDS)]
@@ -261,7 +267,6 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
             if a in agg:
                 md.append(f"| {a} | {_cell(agg[a]['image'])} | " + " | ".join(_cell(agg[a][f'kind:{k}'])
                                                                           for k in KINDS) + " |")
-        read, _ = kinds_read(agg, prior, prior_question)
         if "a" in agg and not read:
             md += ["", (f"**No arm reads the scenes at this budget**: the full-token arm (a) is within "
                         f"{READ_MARGIN * 100:.0f} points of the question-only prior on every image kind, so the "
@@ -348,7 +353,7 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
     report = {"name": cfg["name"], "study": "vlm", "config": cfg["source"], "seeds": seeds, "match_ok": match_ok,
               "arms": rows, "accuracy": agg, "prior": prior,
               "prior_question": prior_question,
-              "kinds_read": kinds_read(agg, prior, prior_question)[0] if results else [], "paired": pairs_out, "probe": probe_results,
+              "kinds_read": read, "paired": pairs_out, "probe": probe_results,
               "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
               "budget": budget, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
