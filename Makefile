@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data data-scenes compare-vlm test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
+.PHONY: setup data data-scenes scene-tower compare-vlm test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
 
 setup: $(STAMP)
 
@@ -48,6 +48,13 @@ data-scenes: $(DATA_STAMP) $(SCENES_DIR)/.built
 
 $(SCENES_DIR)/.built: $(STAMP) data_pipelines/scene_data.py
 	$(PY) -m data_pipelines.scene_data --out $(SCENES_DIR) --force
+
+# the scene tower pretrained on the scenes' per-patch labels (glyph, colour, quadrant; vision_encoders/scene_tower.py):
+# the stand-in for a pretrained ViT, loaded with vision.pretrained: $(SCENES_DIR)/tower.safetensors (~6 min, 2 cores)
+scene-tower: $(SCENES_DIR)/tower.safetensors
+
+$(SCENES_DIR)/tower.safetensors: $(STAMP) vision_encoders/scene_tower.py data_pipelines/scene_data.py
+	$(PY) -m vision_encoders.scene_tower --preset configs/model/vlm_scene_tiny.yaml --out $@
 
 # two tiers (pyproject's `integration` marker): the in-process unit tests (a few minutes on 2 cores, run on
 # every change), then the integration tests that launch processes or ranks; CI (.ci/run) runs both

@@ -121,6 +121,21 @@ def render(scene: dict) -> np.ndarray:
     return img
 
 
+def glyph_cells(scene: dict, grid: tuple[int, int], image_size: int) -> np.ndarray:
+    """Bool[gh * gw]: which cells of the token grid (raster order) contain a glyph pixel; the scene's
+    mask (drawn at ``IMAGE_SIZE``) is enlarged to the tower's ``image_size`` (a multiple of it)."""
+    mask = np.zeros((IMAGE_SIZE, IMAGE_SIZE), dtype=bool)
+    for g in scene["glyphs"]:
+        if g is not None:
+            mask[g["y"]:g["y"] + g["h"], g["x"]:g["x"] + g["w"]] |= glyph_bitmap(g)
+    if image_size % IMAGE_SIZE:
+        raise ValueError(f"the tower's input ({image_size} px) is no multiple of the scenes' {IMAGE_SIZE} px")
+    scale = image_size // IMAGE_SIZE
+    mask = np.kron(mask, np.ones((scale, scale), dtype=bool))
+    gh, gw = grid
+    return mask.reshape(gh, image_size // gh, gw, image_size // gw).any(axis=(1, 3)).reshape(-1)
+
+
 def _digits(scene: dict) -> list[dict]:
     return [g for g in scene["glyphs"] if g is not None and g["type"] == "digit"]
 

@@ -9,8 +9,9 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from data_pipelines.scene_data import glyph_cells
 
 
 def image_records(vqa_json: str, n: int) -> list[dict]:
@@ -36,23 +37,6 @@ def _batch(processor, records: list[dict], image_root: str):
     prompts = [r["conversations"][0]["value"] for r in records]
     images = [Image.open(os.path.join(image_root, r["image"])).convert("RGB") for r in records]
     return processor(text=prompts, images=images, padding_side="left"), images
-
-
-def glyph_cells(scene: dict, grid: tuple[int, int], image_size: int) -> np.ndarray:
-    """Bool[gh * gw]: which cells of the token grid (raster order) contain a glyph pixel; the scene's
-    mask (drawn at ``IMAGE_SIZE``) is enlarged to the tower's ``image_size`` (a multiple of it)."""
-    from data_pipelines.scene_data import IMAGE_SIZE, glyph_bitmap
-
-    mask = np.zeros((IMAGE_SIZE, IMAGE_SIZE), dtype=bool)
-    for g in scene["glyphs"]:
-        if g is not None:
-            mask[g["y"]:g["y"] + g["h"], g["x"]:g["x"] + g["w"]] |= glyph_bitmap(g)
-    if image_size % IMAGE_SIZE:
-        raise ValueError(f"the tower's input ({image_size} px) is no multiple of the scenes' {IMAGE_SIZE} px")
-    scale = image_size // IMAGE_SIZE
-    mask = np.kron(mask, np.ones((scale, scale), dtype=bool))
-    gh, gw = grid
-    return mask.reshape(gh, image_size // gh, gw, image_size // gw).any(axis=(1, 3)).reshape(-1)
 
 
 @torch.no_grad()
