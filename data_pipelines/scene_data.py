@@ -31,6 +31,7 @@ CLUTTER = ("clean", "low", "high")
 SIZES = ("small", "large")
 KINDS = ("identity", "position", "counting", "comparison", "reading", "text", "describe")
 TRAIN_ONLY_KINDS = ("describe",)  # in the train split only: never scored
+CAPTIONS_FILE = "scenes_captions.json"  # the train split's captions alone (a first training stage)
 SPLITS = {"train": (3000, 1), "val": (150, 2), "test": (400, 3)}  # scenes, seed offset (disjoint streams)
 PATCH = 8  # the scene tower's patch (configs/model/vlm_scene_tiny.yaml): glyphs sit on its grid
 DIGIT_THRESHOLD = 8  # of sklearn's 0..16 ink: the drawn strokes
@@ -222,7 +223,8 @@ def build_split(out: str, split: str, n_scenes: int, seed: int, text_share: floa
 
 
 def build(out: str, seed: int = 0, sizes: dict | None = None, force: bool = False, quiet: bool = False) -> dict | None:
-    """Write ``scenes_{train,val,test}.json`` + ``images/scenes/`` into ``out`` (``.built`` last); the counts,
+    """Write ``scenes_{train,val,test}.json``, ``scenes_captions.json`` (the train split's captions alone) +
+    ``images/scenes/`` into ``out`` (``.built`` last); the counts,
     or None when already built. ``sizes``: {split: number of scenes} (default ``SPLITS``)."""
     out = os.path.abspath(out)
     if os.path.isfile(os.path.join(out, ".built")) and not force:
@@ -237,6 +239,9 @@ def build(out: str, seed: int = 0, sizes: dict | None = None, force: bool = Fals
             records = build_split(staging, split, n, seed * 100 + offset, captions=split == "train")
             with open(os.path.join(staging, f"scenes_{split}.json"), "w", encoding="utf-8") as f:
                 json.dump(records, f, indent=0)
+            if split == "train":  # the captions alone: a first training stage (LLaVA's stage 1)
+                with open(os.path.join(staging, CAPTIONS_FILE), "w", encoding="utf-8") as f:
+                    json.dump([r for r in records if r["kind"] in TRAIN_ONLY_KINDS], f, indent=0)
             counts[split] = {"scenes": n, "records": len(records),
                              "kinds": {k: sum(r["kind"] == k for r in records) for k in KINDS}}
         with open(os.path.join(staging, "manifest.json"), "w", encoding="utf-8") as f:

@@ -94,6 +94,9 @@ class CompareConfig(Section):
     preset_prefix: Text | None = None  # default cmp_<name>
     train_base: Text = "configs/train/default.yaml"
     train: dict = {}  # train-YAML keys; model.* is owned by the arms
+    # train-YAML keys over ``train`` for a first stage every arm trains before ``train`` (e.g. captions alone, LLaVA's
+    # stage 1); the second stage starts from its export (model.init_from). null: one stage
+    first_stage: dict | None = None
     vlm: VLMSpec = VLMSpec()
     baseline: BaselineSpec = BaselineSpec()
     match: MatchSpec = MatchSpec()
@@ -108,6 +111,8 @@ def load_compare(path, overrides=()) -> dict:
     for key in ((cfg.train or {}).get("model") or {}):
         check(key in ("kind", "tokenizer"), f"train.model.{key}",
               "the arms define the model; only model.tokenizer may be set here")
+    for key in ((cfg.first_stage or {}).get("model") or {}):
+        check(False, f"first_stage.model.{key}", "the arms define the model in both stages")
     ids: set[str] = set()
     for i, arm in enumerate(cfg.arms):
         check(arm.same_as is None or (arm.same_as in ids and not arm.solve), f"arms[{i}].same_as",

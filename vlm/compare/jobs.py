@@ -34,14 +34,29 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
             train.pop("base", None)
             if cfg["threads"]:
                 train["cpu_threads"] = int(cfg["threads"])  # the trainer's own knob (process-wide)
+            first = first_stage(cfg, train, out)
+            if first is not None:
+                train["model"]["init_from"] = str(out / "runs" / first["name"] / "hf")
             key_eval = {k: v for k, v in cfg["eval"].items() if k not in REPORT_ONLY_EVAL}
-            key_src = json.dumps({"train": train, "eval": key_eval, "vlm": p["text"],
+            key_src = json.dumps({"train": train, "first": first, "eval": key_eval, "vlm": p["text"],
                                   "lm": p["lm_path"].read_text()}, sort_keys=True, default=str)
             key_src = key_src.replace(str(REPO_ROOT), "<repo>")  # the same runs in another checkout are reused
-            jobs.append({"arm": arm["id"], "arm_name": arm["name"], "seed": int(seed), "train": train,
+            jobs.append({"arm": arm["id"], "arm_name": arm["name"], "seed": int(seed), "train": train, "first": first,
                          "eval": cfg["eval"], "threads": cfg["threads"], "run_dir": str(out / "runs" / name),
                          "key": hashlib.sha1(key_src.encode()).hexdigest()[:16]})
     return jobs
+
+
+def first_stage(cfg: dict, train: dict, out: Path) -> dict | None:
+    """The training YAML of an arm's first stage (``first_stage`` over the arm's own; no evaluation, an export
+    for the second stage), or None."""
+    if not cfg.get("first_stage"):
+        return None
+    first = deep_merge(train, cfg["first_stage"])
+    first["name"] = f"{train['name']}-first"
+    first["eval"] = {**(first.get("eval") or {}), "vqa_json": None}
+    first["checkpoint"] = {**(first.get("checkpoint") or {}), "export_hf": True}
+    return first
 
 
 class _FingerprintLoader:
@@ -95,6 +110,13 @@ class _FingerprintLoader:
         return self._hash.hexdigest()[:16]
 
 
+def _fingerprint(trainer) -> _FingerprintLoader:
+    """Wrap the trainer's loader in a fingerprint that skips image placeholders and padding."""
+    chat = trainer.processor.chat_tokenizer
+    trainer.loader = _FingerprintLoader(trainer.loader, [i for i in (chat.image_id, chat.pad_id) if i is not None])
+    return trainer.loader
+
+
 def run_job(job: dict) -> dict:
     """Train + export + evaluate one arm/seed in this process; writes <run>/compare_result.json."""
     import torch
@@ -124,15 +146,16 @@ def _run_job(job: dict) -> dict:
     from vlm.training.trainer import Trainer
 
     t0 = time.time()
+    first = _train_first_stage(job) if job.get("first") else None
     tcfg = load_train_config(raw=copy.deepcopy(job["train"]))
     trainer = Trainer(tcfg)
-    chat = trainer.processor.chat_tokenizer
-    fp = _FingerprintLoader(trainer.loader, [i for i in (chat.image_id, chat.pad_id) if i is not None])
-    trainer.loader = fp
+    fp = _fingerprint(trainer)
     try:
         trainer.fit()
         fingerprint = f"{fp.digest}/{fp.batches}"
         text_fingerprint = f"{fp.text_digest}/{fp.batches}"
+        if first is not None:  # same samples in both stages <=> same joint fingerprint
+            text_fingerprint = f"{first['text_fingerprint']}+{text_fingerprint}"
         fin = trainer.finish()
     finally:
         trainer.close()
@@ -162,13 +185,33 @@ def _run_job(job: dict) -> dict:
               "data_fingerprint": fingerprint, "text_fingerprint": text_fingerprint,
               "vqa": {k: ev[k] for k in ("accuracy", "correct", "total", "by_kind", "ratio", "ratio_image",
                                          "ratio_text", "eval_time_s") if k in ev} or None,
-              "text": text, "wall_s": round(time.time() - t0, 2)}
+              "text": text, "first_stage": first, "wall_s": round(time.time() - t0, 2)}
     summary = run_dir / "summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
         result["train_time_s"] = s.get("train_time_s")
     (run_dir / "compare_result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _train_first_stage(job: dict) -> dict:
+    """Train the job's first stage (its export is the second stage's ``model.init_from``); its steps, tokens,
+    train time and text fingerprint."""
+    from vlm.config.train import load_train_config
+    from vlm.training.trainer import Trainer
+
+    trainer = Trainer(load_train_config(raw=copy.deepcopy(job["first"])))
+    fp = _fingerprint(trainer)
+    try:
+        trainer.fit()
+        trainer.finish()
+        rec = dict(trainer.last_record)
+    finally:
+        trainer.close()
+    summary = Path(job["first"]["output_dir"]) / job["first"]["name"] / "summary.json"
+    return {"steps": int(rec.get("step", 0)), "tokens_seen": int(rec.get("tokens_seen", 0)),
+            "train_time_s": json.loads(summary.read_text()).get("train_time_s") if summary.is_file() else None,
+            "text_fingerprint": f"{fp.text_digest}/{fp.batches}"}
 
 
 def _done(job: dict) -> dict | None:

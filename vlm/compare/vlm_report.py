@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vlm.compare import vlm_match
 from vlm.compare.config import rel, repo_path
+from vlm.modeling.config_base import deep_merge
 
 KINDS = ("identity", "position", "counting", "comparison", "reading", "text")
 SPLITS = {"clutter": ("clean", "low", "high"), "glyph_size": ("small", "large")}
@@ -240,6 +241,12 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
     t = raw.get("train") or {}
     budget = (f"{t.get('max_steps')} steps x micro-batch {t.get('micro_batch_size')} samples, rows of {seq_len} "
               "tokens (packed), same data seed per seed")
+    if cfg.get("first_stage"):
+        ft = deep_merge(t, cfg["first_stage"].get("train") or {})
+        data = [d.get("path") for d in deep_merge(raw.get("data") or {}, cfg["first_stage"].get("data") or {})
+                .get("datasets", [])]
+        budget += (f", after a first stage of {ft.get('max_steps')} steps x micro-batch {ft.get('micro_batch_size')} "
+                   f"on {', '.join(f'`{d}`' for d in data)} (the second starts from its export)")
     md = [f"# vlm.compare VLM study: {cfg['name']}", "",
           (f"Config `{cfg['source']}`; seeds {seeds}; budget per arm: {budget}; {time.strftime('%Y-%m-%d %H:%M')}; "
            f"this call {wall_s / 60:.1f} min wall. Data: `{raw['eval']['vqa_json']}` (first "

@@ -27,7 +27,9 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
     out = tmp_path / "cmp"
     data = (f"train.data.datasets=[{{name: scenes_train, type: llava_json, path: {scenes}/scenes_train.json, "
             f"image_root: {scenes}/images, weight: 1.0}}]")
-    assert main(["--config", "configs/compare/vlm_smoke.yaml", "--out", str(out), data,
+    captions = (f"first_stage.data.datasets=[{{name: scene_captions, type: llava_json, path: {scenes}/scenes_captions.json, "
+                f"image_root: {scenes}/images, weight: 1.0}}]")
+    assert main(["--config", "configs/compare/vlm_smoke.yaml", "--out", str(out), data, captions,
                  f"train.eval.vqa_json={scenes}/scenes_test.json", f"train.eval.image_root={scenes}/images"]) == 0
     report = json.loads((out / "report.json").read_text())
     md = (out / "report.md").read_text()
@@ -47,6 +49,12 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
         assert r["steps"] == 2 and r["vqa"]["total"] == 12
         assert set(r["vqa"]["by_kind"]) == {x["group"] for x in scored}  # breakdown by kind|clutter|glyph_size
     assert [d["same_samples"] for d in report["data_checks"]] == [True]
+    for a, r in runs.items():  # captions first, then the questions from that stage's export
+        assert r["first_stage"]["steps"] == 1 and "+" in r["text_fingerprint"], a
+        train_cfg = json.loads((Path(r["run_dir"]) / "train_config.json").read_text())
+        assert train_cfg["model"]["init_from"] == str(out / "runs" / f"{r['arm_name']}-s0-first" / "hf")
+        assert (out / "runs" / f"{r['arm_name']}-s0-first" / "hf" / "config.json").is_file()
+    assert "after a first stage of 1 steps" in md and "scenes_captions.json" in md
     assert runs["a"]["data_fingerprint"] != runs["b"]["data_fingerprint"]  # 64 vs 16 image tokens per image
 
     for a in arms:  # prefill measured for every arm; concepts drawn for the chunking arms
@@ -99,6 +107,8 @@ def test_vlm_config_errors():
         load_compare(smoke, ["study=lm"])
     with pytest.raises(ConfigError, match=r"match_to: must name an earlier arm"):
         load_compare(smoke, ["arms=[{id: a, name: full}, {id: b, name: x, solve: sample, match_to: z}]"])
+    with pytest.raises(ConfigError, match=r"first_stage\.model\.preset: the arms define the model in both stages"):
+        load_compare(smoke, ["first_stage.model.preset=configs/model/vlm_tiny.yaml"])
 
 
 @pytest.mark.parametrize("config", ["configs/compare/vlm_smoke.yaml", "configs/compare/vlm_cpu.yaml",

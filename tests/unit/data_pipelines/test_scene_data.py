@@ -87,6 +87,9 @@ def test_kinds_and_answers_by_construction(built):
     assert {r["kind"] for r in records} == set(sd.KINDS)
     held_out = json.loads((built / "a" / "scenes_test.json").read_text())
     assert {r["kind"] for r in held_out} == set(sd.KINDS) - set(sd.TRAIN_ONLY_KINDS)
+    captions = json.loads((built / "a" / sd.CAPTIONS_FILE).read_text())  # the first stage's data
+    assert captions == [r for r in records if r["kind"] in sd.TRAIN_ONLY_KINDS]
+    assert len(captions) == SIZES["train"]  # one caption per training scene
     for r in records:
         question, answer = r["conversations"][0]["value"], r["conversations"][1]["value"]
         if r["kind"] == "text":
