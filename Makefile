@@ -93,7 +93,7 @@ compare: $(DATA_STAMP)
 
 # the VLM study (issue 40): image-token merges vs learned chunking at matched LLM FLOPs on the scenes
 COMPARE_VLM ?= configs/compare/vlm_cpu.yaml
-compare-vlm: data-scenes
+compare-vlm: data-scenes scene-tower
 	$(PY) -m vlm.compare --config $(COMPARE_VLM)
 
 # fault injection + soak (table in runs/faults/faults.md), then the input fuzzers at 10x their CI size

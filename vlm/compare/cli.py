@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                     raise CompareError(f"compare: --arms: arm {a['id']} reuses arm {a['same_as']}'s model; keep both")
         raw = train_raw(cfg)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
-    except (CompareError, ConfigError) as err:
+    except (CompareError, ConfigError, FileNotFoundError) as err:  # a missing file: vision.pretrained, a preset
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     out = out_dir(cfg, out_arg)

@@ -111,6 +111,17 @@ def test_vlm_config_errors():
         load_compare(smoke, ["first_stage.model.preset=configs/model/vlm_tiny.yaml"])
 
 
+def test_missing_tower_file_is_one_line(tmp_path, monkeypatch, capsys):
+    from vlm.compare.cli import main
+
+    monkeypatch.chdir(ROOT)
+    missing = tmp_path / "tower.safetensors"
+    assert main(["--config", "configs/compare/vlm_smoke.yaml", "--out", str(tmp_path / "cmp"), "--dry-run",
+                 f"vlm.vision.pretrained={missing}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: vision.pretrained: weights file not found: {missing}"
+
+
 @pytest.mark.parametrize("config", ["configs/compare/vlm_smoke.yaml", "configs/compare/vlm_cpu.yaml",
                                     "configs/compare/vlm_gpu.yaml", "configs/train/scenes.yaml"])
 @needs_data
