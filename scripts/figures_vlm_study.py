@@ -27,6 +27,21 @@ def _verdict(d: dict) -> str:
     return "wins" if d["mean"] > 0 else "loses"
 
 
+def _training(report: dict) -> str:
+    """"600 caption steps, then 600 steps (micro-batch 16), the pretrained tower frozen" from the report's recipe."""
+    how = report.get("recipe")
+    if how is None:
+        return report["budget"].split(",")[0]
+    stages = how["stages"]
+    steps = (f"{stages[0]['steps']} steps on {', '.join(d.rsplit('/', 1)[-1] for d in stages[0]['data'])}, then "
+             if len(stages) > 1 else "")
+    text = f"{steps}{stages[-1]['steps']} steps x micro-batch {stages[-1]['micro_batch']}"
+    tower = how["tower"]
+    if tower["pretrained"]:
+        text += ", the pretrained scene tower" + (" frozen" if "vision" in tower["frozen"] else "")
+    return text
+
+
 def render_vlm_study_line(report: dict) -> str:
     arms = {a["arm"]: a for a in report["arms"]}
     acc, paired = report["accuracy"], report["paired"]
@@ -35,7 +50,7 @@ def render_vlm_study_line(report: dict) -> str:
     what = "question alone" if prior_question else "answer prior"
     base = baseline(prior, prior_question)
 
-    head = f"{len(report['seeds'])} seeds, {report['budget'].split(',')[0]} per arm: "
+    head = f"{len(report['seeds'])} seeds, {_training(report)} per arm: "
     if read:
         head += "the full-token arm (a) reads " + ", ".join(
             f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} ({what} {_pct(base[k])})" for k in read)

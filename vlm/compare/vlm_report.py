@@ -108,6 +108,35 @@ def _stat(values: list) -> dict | None:
     return {"mean": statistics.mean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs)}
 
 
+
+def recipe(cfg: dict, raw: dict) -> dict:
+    """How every arm trains: the stages (steps, micro-batch, data files), the tower's weights (and the
+    held-out patch accuracy its pretraining wrote beside them) and the frozen parts."""
+    t = raw.get("train") or {}
+    stages = []
+    for over in ([cfg["first_stage"]] if cfg.get("first_stage") else []) + [{}]:
+        st = deep_merge(t, over.get("train") or {})
+        data = deep_merge(raw.get("data") or {}, over.get("data") or {})
+        stages.append({"steps": st.get("max_steps"), "micro_batch": st.get("micro_batch_size"),
+                       "data": [d.get("path") for d in data.get("datasets", [])]})
+    weights = (cfg.get("vlm") or {}).get("vision", {}).get("pretrained")
+    tower = {"pretrained": weights, "frozen": sorted(k for k, v in (t.get("freeze") or {}).items() if v)}
+    summary = repo_path(weights).with_suffix(".json") if weights else None
+    if summary is not None and summary.is_file():
+        pre = json.loads(summary.read_text())
+        tower["pretraining"] = {"steps": pre.get("steps"), "held_out_accuracy": pre.get("held_out_accuracy")}
+    return {"stages": stages, "tower": tower}
+
+
+def tower_line(tower: dict) -> str:
+    frozen = f"frozen: {', '.join(tower['frozen'])}" if tower["frozen"] else "nothing frozen"
+    if not tower["pretrained"]:
+        return f"Vision tower: random init (`vision.pretrained: null`); {frozen}."
+    pre = tower.get("pretraining")
+    acc = ("; its pretraining: " + ", ".join(f"{k} {v:.1%}" for k, v in pre["held_out_accuracy"].items())
+           + f" of held-out patches right after {pre['steps']} steps") if pre else ""
+    return f"Vision tower: `{tower['pretrained']}` (`make scene-tower`){acc}; {frozen}."
+
 def _cell(s: dict | None, pct: bool = True) -> str:
     if s is None:
         return "n/a"
@@ -241,16 +270,15 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
     t = raw.get("train") or {}
     budget = (f"{t.get('max_steps')} steps x micro-batch {t.get('micro_batch_size')} samples, rows of {seq_len} "
               "tokens (packed), same data seed per seed")
-    if cfg.get("first_stage"):
-        ft = deep_merge(t, cfg["first_stage"].get("train") or {})
-        data = [d.get("path") for d in deep_merge(raw.get("data") or {}, cfg["first_stage"].get("data") or {})
-                .get("datasets", [])]
-        budget += (f", after a first stage of {ft.get('max_steps')} steps x micro-batch {ft.get('micro_batch_size')} "
-                   f"on {', '.join(f'`{d}`' for d in data)} (the second starts from its export)")
+    how = recipe(cfg, raw)
+    if len(how["stages"]) > 1:
+        first = how["stages"][0]
+        budget += (f", after a first stage of {first['steps']} steps x micro-batch {first['micro_batch']} "
+                   f"on {', '.join(f'`{d}`' for d in first['data'])} (the second starts from its export)")
     md = [f"# vlm.compare VLM study: {cfg['name']}", "",
           (f"Config `{cfg['source']}`; seeds {seeds}; budget per arm: {budget}; {time.strftime('%Y-%m-%d %H:%M')}; "
            f"this call {wall_s / 60:.1f} min wall. Data: `{raw['eval']['vqa_json']}` (first "
-           f"{raw['eval'].get('limit')} records scored; greedy, exact match)."), ""]
+           f"{raw['eval'].get('limit')} records scored; greedy, exact match)."), "", tower_line(how["tower"]), ""]
     md += ["## Matched compute (accountant: `vlm.flops.llm_flops_per_sample`)", "",
            (f"LLM forward FLOPs per sample (2 x MACs of the matmuls, attention map excluded) of "
             f"{cfg['match']['text_tokens']} text tokens (`match.text_tokens`, the mean prompt + answer of the "
@@ -362,7 +390,7 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
               "prior_question": prior_question,
               "kinds_read": read, "paired": pairs_out, "probe": probe_results,
               "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
-              "budget": budget, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
+              "budget": budget, "recipe": how, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     tables = "\n".join(md[md.index("## Matched compute (accountant: `vlm.flops.llm_flops_per_sample`)"):][:len(rows) + 6])
     return {"match_ok": match_ok, "markdown_tables": tables, "report": report, "rel": rel(out / "report.md")}

@@ -55,6 +55,9 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
         assert train_cfg["model"]["init_from"] == str(out / "runs" / f"{r['arm_name']}-s0-first" / "hf")
         assert (out / "runs" / f"{r['arm_name']}-s0-first" / "hf" / "config.json").is_file()
     assert "after a first stage of 1 steps" in md and "scenes_captions.json" in md
+    assert [st["steps"] for st in report["recipe"]["stages"]] == [1, 2]
+    assert report["recipe"]["tower"] == {"pretrained": None, "frozen": []}
+    assert "Vision tower: random init (`vision.pretrained: null`); nothing frozen." in md
     assert runs["a"]["data_fingerprint"] != runs["b"]["data_fingerprint"]  # 64 vs 16 image tokens per image
 
     for a in arms:  # prefill measured for every arm; concepts drawn for the chunking arms
@@ -204,3 +207,22 @@ def test_question_only_prior_names_what_the_question_alone_gives(tmp_path):
     assert prior["identity"] is None and prior_question["identity"] is None
     (tmp_path / "s_train.json").unlink()
     assert _groups({"eval": {"vqa_json": str(tmp_path / "s_test.json"), "limit": None}})[2]["comparison"] is None
+
+
+def test_recipe_names_the_tower_and_its_pretraining(tmp_path):
+    from vlm.compare.vlm_report import recipe, tower_line
+
+    weights = tmp_path / "tower.safetensors"
+    weights.write_bytes(b"")
+    (tmp_path / "tower.json").write_text(json.dumps({"steps": 3000, "held_out_accuracy": {"glyph": 0.887,
+                                                                                         "colour": 1.0}}))
+    cfg = {"vlm": {"vision": {"pretrained": str(weights)}},
+           "first_stage": {"data": {"datasets": [{"path": "caps.json"}]}, "train": {"max_steps": 5}}}
+    raw = {"train": {"max_steps": 7, "micro_batch_size": 4, "freeze": {"vision": True, "projector": False}},
+           "data": {"datasets": [{"path": "qa.json"}]}}
+    how = recipe(cfg, raw)
+    assert how["stages"] == [{"steps": 5, "micro_batch": 4, "data": ["caps.json"]},
+                             {"steps": 7, "micro_batch": 4, "data": ["qa.json"]}]
+    assert how["tower"]["frozen"] == ["vision"] and how["tower"]["pretraining"]["steps"] == 3000
+    assert tower_line(how["tower"]) == (f"Vision tower: `{weights}` (`make scene-tower`); its pretraining: glyph 88.7%, "
+                                        "colour 100.0% of held-out patches right after 3000 steps; frozen: vision.")

@@ -219,6 +219,12 @@ def test_vlm_study_line_moves_with_its_report():
     line = render_vlm_study_line(report)
     assert "no arm reads the scenes" in line and "counting 25.0% vs 20.0%" in line
     assert "compare answer habits, not merges" in line and "(wins)" not in line and "(loses)" not in line
+    report["recipe"] = {"stages": [{"steps": 600, "micro_batch": 16, "data": ["../scenes/scenes_captions.json"]},
+                                   {"steps": 700, "micro_batch": 16, "data": ["../scenes/scenes_train.json"]}],
+                        "tower": {"pretrained": "data/scenes/tower.safetensors", "frozen": ["projector", "vision"]}}
+    line = render_vlm_study_line(report)  # the training recipe moves with the report too
+    assert line.startswith(f"{len(report['seeds'])} seeds, 600 steps on scenes_captions.json, then 700 steps x "
+                           "micro-batch 16, the pretrained scene tower frozen per arm: ")
 
 
 def test_each_figure_names_the_cpu_its_file_records():
