@@ -13,11 +13,15 @@ SAMPLE_TOL = 0.03  # relative LLM FLOPs per sample, as the per-token match's tol
 
 
 def patch_grid(vision: dict) -> tuple[int, int]:
-    """The tower's patch grid, from a built tower (the tiny presets build in milliseconds)."""
+    """The tower's patch grid, from the architecture built on the meta device (no weights read: the presets and
+    the FLOPs match do not need ``vision.pretrained`` to exist yet)."""
+    import torch
+
     from vlm.modeling.vision_base import VisionEncoderConfig
     from vlm.modeling.vision_registry import build_vision_encoder
 
-    return tuple(build_vision_encoder(VisionEncoderConfig(**vision)).patch_grid)
+    with torch.device("meta"):
+        return tuple(build_vision_encoder(VisionEncoderConfig(**vision)).patch_grid)
 
 
 def arm_projector(cfg: dict, arm: dict) -> dict:
