@@ -64,9 +64,12 @@ def main(argv=None) -> int:
             for a in cfg["arms"]:
                 if a["same_as"] and a["same_as"] not in keep:
                     raise CompareError(f"compare: --arms: arm {a['id']} reuses arm {a['same_as']}'s model; keep both")
+        weights = (cfg["vlm"].get("vision") or {}).get("pretrained")
+        if weights and not repo_path(weights).is_file():  # before any arm trains (make scene-tower builds the study's)
+            raise CompareError(f"vision.pretrained: weights file not found: {repo_path(weights)}")
         raw = train_raw(cfg)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
-    except (CompareError, ConfigError, FileNotFoundError) as err:  # a missing file: vision.pretrained, a preset
+    except (CompareError, ConfigError, FileNotFoundError) as err:  # FileNotFoundError: a preset file
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     out = out_dir(cfg, out_arg)
