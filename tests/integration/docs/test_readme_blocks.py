@@ -42,7 +42,7 @@ DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
 LANGS = ("bash", "python", "yaml", "text")
 NOT_RUN = re.compile(r"^<!-- not-run: (.+) -->$")
 FLOW_MARK = "<!-- tiny-pretrained-flow -->"
-LINKED = ("configs", "data", "scripts", "eval_suites", "data_pipelines")  # (make reads data rules' sources)
+LINKED = ("configs", "data", "scripts", "eval_suites", "data_pipelines", "vision_encoders")  # (make reads data rules' sources)
 REPO_PACKAGES = ("vlm", "eval_suites", "data_pipelines", "benchmarks", "scripts")
 DEMO = "train-vlm"  # the demo's run (make train-vlm): no README example may write into it
 
