@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             raise CompareError(f"vision.pretrained: weights file not found: {repo_path(weights)}")
         raw = train_raw(cfg)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
-    except (CompareError, ConfigError, FileNotFoundError) as err:  # FileNotFoundError: a preset file
+    except (CompareError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     out = out_dir(cfg, out_arg)
