@@ -1,0 +1,69 @@
+"""The VLM study's same-data guard: every training record of every stage fits a ``max_length`` row with
+every arm's image tokens. A record that does not is cut by the collator for the arms with many image
+tokens only (64 vs 16 per image), so the arms would learn from different text; the study refuses to
+start instead (one line, exit 2) and says which ``max_length`` fits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlm.compare.config import CompareError, rel, repo_path
+
+
+def _stage_data(train: dict) -> tuple[int, list[Path]]:
+    """(max_length, llava_json files) of one stage's training YAML, read as the trainer reads it."""
+    from vlm.config.train import load_train_config
+    from vlm.training.data import data_config
+
+    data = data_config(load_train_config(raw=train))
+    root = data.get("root")
+    files = [repo_path(Path(root) / d["path"] if root else d["path"]) for d in data["datasets"]
+             if d.get("type") == "llava_json" and float(d.get("weight", 1.0)) > 0]
+    return int(data.get("max_length", 512)), files
+
+
+def longest_records(files: list[Path], tokenizer_dir: str, image_tokens: int) -> dict[str, dict]:
+    """Per file: the record that is longest with ``image_tokens`` per image (chat template and BOS
+    included), as {"id", "tokens", "images"}. Records are tokenized with one token per image and the
+    rest added, as ``<im_start> <image>*P <im_end>`` grows by P - 1."""
+    from transformers import AutoTokenizer
+
+    from vlm.modeling.chat_template import ChatTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), num_image_tokens=1)
+    out = {}
+    for path in files:
+        best = None
+        for i, rec in enumerate(json.loads(path.read_text())):
+            if "conversations" not in rec:
+                continue
+            image = rec.get("image")
+            n_img = 0 if image is None else 1 if isinstance(image, str) else len(image)
+            ids, _ = chat.encode_conversation(rec["conversations"], str(rec.get("id", i)), num_images=n_img)
+            length = len(ids) + n_img * (image_tokens - 1)
+            if best is None or length > best["tokens"]:
+                best = {"id": str(rec.get("id", i)), "tokens": length, "images": n_img}
+        if best:
+            out[str(path)] = best
+    return out
+
+
+def check_rows_fit(stages: list[tuple[str, dict]], image_tokens: dict[str, int], tokenizer_dir: str) -> list[dict]:
+    """``stages``: (name, training YAML) per stage; ``image_tokens``: arm id -> image tokens per image.
+    Returns one row per stage and file (longest record, its length with the most image tokens, max_length);
+    raises CompareError when a record does not fit some arm's row (the arm with the most image tokens has
+    the longest rows)."""
+    arm, most = max(image_tokens.items(), key=lambda kv: kv[1])
+    rows = []
+    for stage, train in stages:
+        max_length, files = _stage_data(train)
+        for path, rec in longest_records(files, tokenizer_dir, most).items():
+            length = rec["tokens"]
+            rows.append({"stage": stage, "file": rel(Path(path)), "record": rec["id"], "tokens": length,
+                         "max_length": max_length, "arm": arm})
+            if length > max_length:
+                raise CompareError(
+                    f"data: {stage} stage: record {rec['id']} of {rel(Path(path))} is {length} tokens with arm "
+                    f"{arm}'s {most} image tokens, over data.max_length {max_length}: the arms would train on "
+                    f"differently cut samples; set train.data.max_length to at least {length}")
+    return rows
