@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from vlm.compare.config import REPO_ROOT, CompareError, load_compare, rel, repo_path, train_raw
+from vlm.compare.data_fit import check_study
 from vlm.compare.jobs import make_jobs, out_dir, run_job, run_jobs
 from vlm.compare.presets import build_presets, seq_len_of
 from vlm.compare.report import write_report
@@ -68,9 +69,11 @@ def main(argv=None) -> int:
         if weights and not repo_path(weights).is_file():  # before any arm trains (make scene-tower builds the study's)
             raise CompareError(f"vision.pretrained: weights file not found: {repo_path(weights)}")
         raw = train_raw(cfg)
+        if cfg["study"] == "vlm":  # before the presets: max_length also enters the FLOPs solve
+            for row in check_study(cfg, raw):
+                print(f"[compare] {row['stage']} stage: longest record of {row['file']} is {row['tokens']} tokens with "
+                      f"arm {row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut", flush=True)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
-        if cfg["study"] == "vlm":
-            _check_rows_fit(cfg, raw)
     except (CompareError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -88,21 +91,6 @@ def main(argv=None) -> int:
     print(report["markdown_tables"], flush=True)
     print(f"[compare] report: {rel(out / 'report.md')} ({time.time() - t0:.0f} s)", flush=True)
     return 0 if report["match_ok"] else 1
-
-
-def _check_rows_fit(cfg: dict, raw: dict) -> None:
-    """Every training record of both stages fits a row with every arm's image tokens (else CompareError)."""
-    from vlm.compare import vlm_match
-    from vlm.compare.data_fit import check_rows_fit
-    from vlm.compare.jobs import first_stage
-
-    grid = vlm_match.patch_grid(cfg["vlm"]["vision"])
-    tokens = {a["id"]: vlm_match.image_tokens(cfg, a, grid) for a in cfg["arms"]}
-    first = first_stage(cfg, raw, Path("."))
-    stages = ([("first", first)] if first else []) + [("second" if first else "training", raw)]
-    for row in check_rows_fit(stages, tokens, str(repo_path(raw["model"]["tokenizer"]))):
-        print(f"[compare] {row['stage']} stage: longest record of {row['file']} is {row['tokens']} tokens with arm "
-              f"{row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut", flush=True)
 
 
 def _vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seeds: list[int],

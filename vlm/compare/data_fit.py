@@ -19,6 +19,9 @@ def _stage_data(train: dict) -> tuple[int, list[Path]]:
     root = data.get("root")
     files = [repo_path(Path(root) / d["path"] if root else d["path"]) for d in data["datasets"]
              if d.get("type") == "llava_json" and float(d.get("weight", 1.0)) > 0]
+    missing = next((f for f in files if not f.is_file()), None)
+    if missing is not None:
+        raise CompareError(f"data: training file not found: {missing}")
     return int(data.get("max_length", 512)), files
 
 
@@ -67,3 +70,16 @@ def check_rows_fit(stages: list[tuple[str, dict]], image_tokens: dict[str, int],
                     f"{arm}'s {most} image tokens, over data.max_length {max_length}: the arms would train on "
                     f"differently cut samples; set train.data.max_length to at least {length}")
     return rows
+
+
+def check_study(cfg: dict, raw: dict) -> list[dict]:
+    """``check_rows_fit`` for a VLM study: its stages (``first_stage`` over ``raw``, then ``raw``) and its arms'
+    image tokens per image (projector merge over the tower's patch grid)."""
+    from vlm.compare import vlm_match
+    from vlm.compare.jobs import first_stage
+
+    grid = vlm_match.patch_grid(cfg["vlm"]["vision"])
+    tokens = {a["id"]: vlm_match.image_tokens(cfg, a, grid) for a in cfg["arms"]}
+    first = first_stage(cfg, raw, Path("."))
+    stages = ([("first", first)] if first else []) + [("second" if first else "training", raw)]
+    return check_rows_fit(stages, tokens, str(repo_path(raw["model"]["tokenizer"])))
