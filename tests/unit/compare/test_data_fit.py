@@ -23,10 +23,10 @@ def scenes(tmp_path_factory):
 
 
 def _overrides(scenes: Path) -> list[str]:
-    return [f"train.data.datasets=[{{name: scenes_train, type: llava_json, path: {scenes}/scenes_train.json, "
-            f"image_root: {scenes}/images, weight: 1.0}}]",
-            f"first_stage.data.datasets=[{{name: scene_captions, type: llava_json, "
-            f"path: {scenes}/scenes_captions.json, image_root: {scenes}/images, weight: 1.0}}]"]
+    return [(f"train.data.datasets=[{{name: scenes_train, type: llava_json, path: {scenes}/scenes_train.json, "
+             f"image_root: {scenes}/images, weight: 1.0}}]"),
+            (f"first_stage.data.datasets=[{{name: scene_captions, type: llava_json, "
+             f"path: {scenes}/scenes_captions.json, image_root: {scenes}/images, weight: 1.0}}]")]
 
 
 def _longest_with(scenes: Path, image_tokens: int) -> int:
