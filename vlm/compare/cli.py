@@ -14,14 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from vlm.compare.config import (
-    REPO_ROOT,
-    CompareError,
-    load_compare,
-    rel,
-    repo_path,
-    train_raw,
-)
+from vlm.compare.config import REPO_ROOT, CompareError, load_compare, rel, repo_path, train_raw
 from vlm.compare.data_fit import check_study
 from vlm.compare.jobs import make_jobs, out_dir, run_job, run_jobs
 from vlm.compare.presets import build_presets, seq_len_of
