@@ -11,7 +11,7 @@ CKPT ?= runs/train-vlm/hf
 TASKS ?= cmoe_digits_vqa,cmoe_digits_mc
 COMPARE ?= configs/compare/cpu.yaml
 
-.PHONY: setup data data-scenes scene-tower compare-vlm test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
+.PHONY: setup data data-scenes scene-tower scene-tower-gpu compare-vlm test test-unit train-vlm eval bench compare faults clean gpu-kit gpu-rehearsal test-rehearsal
 
 setup: $(STAMP)
 
@@ -55,6 +55,12 @@ scene-tower: $(SCENES_DIR)/tower.safetensors
 
 $(SCENES_DIR)/tower.safetensors: $(STAMP) vision_encoders/scene_tower.py data_pipelines/scene_data.py
 	$(PY) -m vision_encoders.scene_tower --preset configs/model/vlm_scene_tiny.yaml --out $@
+
+# the GPU study's tower (configs/compare/vlm_gpu.yaml: 4 px patches, 256 per image)
+scene-tower-gpu: $(SCENES_DIR)/tower_gpu.safetensors
+
+$(SCENES_DIR)/tower_gpu.safetensors: $(STAMP) vision_encoders/scene_tower.py data_pipelines/scene_data.py
+	$(PY) -m vision_encoders.scene_tower --preset configs/model/compare/cmp_vlm_gpu_full.yaml --out $@
 
 # two tiers (pyproject's `integration` marker): the in-process unit tests (a few minutes on 2 cores, run on
 # every change), then the integration tests that launch processes or ranks; CI (.ci/run) runs both
