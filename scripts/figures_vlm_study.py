@@ -3,7 +3,8 @@ one line, rendered by scripts/readme_figures.py (span ``figures:vlm_study_line``
 
 Which kinds the full-token arm reads is the report's own rule (``vlm.compare.vlm_report.kinds_read``). A paired
 difference counts as a win or a loss only when its mean over seeds is larger than its seed spread (the std of
-the differences), and only as a comparison of merges when arm a reads some kind.
+the differences), and only as a comparison of merges when arm a reads some kind. A failed same-data check opens
+the line with "not a fair comparison".
 """
 from __future__ import annotations
 
@@ -50,7 +51,13 @@ def render_vlm_study_line(report: dict) -> str:
     what = "question alone" if prior_question else "answer prior"
     base = baseline(prior, prior_question)
 
-    head = f"{len(report['seeds'])} seeds, {_training(report)} per arm: "
+    checks = report.get("data_checks") or []
+    same = bool(checks) and all(d["same_samples"] for d in checks)
+    head = (f"{len(report['seeds'])} seeds, {_training(report)} per arm"
+            + (" on the same samples in the same order (checked): " if same else ": "))
+    if not same:
+        head = ("**not a fair comparison**: the arms' training samples differ (the report's same-data check "
+                f"{'fails' if checks else 'is missing'}); " + head)
     if read:
         head += "the full-token arm (a) reads " + ", ".join(
             f"{k} {_pct(acc['a'][f'kind:{k}']['mean'])} ({what} {_pct(base[k])})" for k in read)

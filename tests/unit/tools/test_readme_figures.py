@@ -208,6 +208,7 @@ def test_vlm_study_line_moves_with_its_report():
     report["paired"]["e-c"]["kind:counting"].update(mean=-0.05, std=0.01, n=3)
     report["paired"]["e-b"]["image"].update(mean=0.01, std=0.02, n=3)
     next(a for a in report["arms"] if a["arm"] == "e")["ratio_image"] = 3.87
+    report["data_checks"] = [{"seed": s, "same_samples": True} for s in report["seeds"]]
     line = render_vlm_study_line(report)
     assert "the full-token arm (a) reads counting 55.0% (question alone 20.0%)" in line
     assert "but not identity, position, comparison, reading (within 10 points of the question alone)" in line
@@ -224,7 +225,14 @@ def test_vlm_study_line_moves_with_its_report():
                         "tower": {"pretrained": "data/scenes/tower.safetensors", "frozen": ["projector", "vision"]}}
     line = render_vlm_study_line(report)  # the training recipe moves with the report too
     assert line.startswith(f"{len(report['seeds'])} seeds, 600 steps on scenes_captions.json, then 700 steps x "
-                           "micro-batch 16, the pretrained scene tower frozen per arm: ")
+                           "micro-batch 16, the pretrained scene tower frozen per arm on the same samples in the "
+                           "same order (checked): ")
+    report["data_checks"][-1]["same_samples"] = False  # one seed's arms saw different samples: said first
+    line = render_vlm_study_line(report)
+    assert line.startswith("**not a fair comparison**: the arms' training samples differ (the report's same-data "
+                           f"check fails); {len(report['seeds'])} seeds, 600 steps") and "(checked)" not in line
+    del report["data_checks"]
+    assert "(the report's same-data check is missing)" in render_vlm_study_line(report)
 
 
 def test_each_figure_names_the_cpu_its_file_records():
