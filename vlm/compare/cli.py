@@ -69,10 +69,10 @@ def main(argv=None) -> int:
         if weights and not repo_path(weights).is_file():  # before any arm trains (make scene-tower builds the study's)
             raise CompareError(f"vision.pretrained: weights file not found: {repo_path(weights)}")
         raw = train_raw(cfg)
-        if cfg["study"] == "vlm":  # before the presets: max_length also enters the FLOPs solve
-            for row in check_study(cfg, raw):
-                print(f"[compare] {row['stage']} stage: longest record of {row['file']} is {row['tokens']} tokens with "
-                      f"arm {row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut", flush=True)
+        fit = check_study(cfg, raw) if cfg["study"] == "vlm" else []  # before the presets: max_length enters the solve
+        for row in fit:
+            print(f"[compare] {row['stage']} stage: longest record of {row['file']} is {row['tokens']} tokens with "
+                  f"arm {row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut", flush=True)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
     except (CompareError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     results = [] if args.dry_run else run_jobs(jobs, args.jobs or cfg["jobs"], fresh=args.fresh,
                                                   isolate=bool(cfg["isolate"]))
     if cfg["study"] == "vlm":
-        report = _vlm_report(cfg, raw, presets, results, out, seeds, t0)
+        report = _vlm_report(cfg, raw, presets, results, out, seeds, t0, fit)
     else:
         report = write_report(cfg, raw, presets, results, out, seq_len=seq_len_of(cfg, raw), seeds=seeds,
                               wall_s=time.time() - t0)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
 
 def _vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seeds: list[int],
-                t0: float) -> dict:
+                t0: float, fit: list[dict]) -> dict:
     """The VLM study's report: the seed-0 exports probed side by side (prefill, concepts), every run's
     export measured for image use (vlm.compare.image_use), then written."""
     import torch
@@ -118,7 +118,7 @@ def _vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: P
     finally:
         torch.set_num_threads(before)
     return write_vlm_report(cfg, raw, presets, results, out, seq_len_of(cfg, raw), seeds, time.time() - t0, probed,
-                            used)
+                            used, fit)
 
 if __name__ == "__main__":
     sys.exit(main())

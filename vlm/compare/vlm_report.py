@@ -243,8 +243,9 @@ def accuracy_png(rows: list[dict], agg: dict, path: Path) -> bool:
 
 def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], out: Path, seq_len: int,
                      seeds: list[int], wall_s: float, probe_results: dict | None = None,
-                     image_use: dict | None = None) -> dict:
-    """Write report.md / report.json (+ accuracy_vs_flops.png, pictures/) under ``out``."""
+                     image_use: dict | None = None, data_fit: list[dict] | None = None) -> dict:
+    """Write report.md / report.json (+ accuracy_vs_flops.png, pictures/) under ``out``; ``data_fit``: the rows
+    of ``vlm.compare.data_fit.check_study`` (no training sample cut)."""
     by_arm: dict = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
@@ -355,6 +356,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
         md += [f"- seed {d['seed']}: the samples' text tokens in training order (image placeholders and padding "
                f"left out) hash {'identically' if d['same_samples'] else '**DIFFERENTLY**'} across arms "
                f"({', '.join(d['text_fingerprint'])})" for d in data_checks]
+        md += [f"- {f['stage']} stage: the longest record of `{f['file']}` is {f['tokens']} tokens with arm {f['arm']}'s "
+               f"image tokens; rows of {f['max_length']}: no sample is cut (`vlm.compare.data_fit`)" for f in data_fit or []]
     probe_results = probe_results or {}
     if probe_results:
         md += ["", "## Prefill time and what the chunker merged", "",
@@ -390,6 +393,7 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
               "prior_question": prior_question,
               "kinds_read": read, "paired": pairs_out, "probe": probe_results,
               "image_use": image_use, "image_use_stats": use_agg, "data_checks": data_checks,
+              "data_fit": data_fit,
               "budget": budget, "recipe": how, "wall_s": wall_s, "runs": results, "plot": png.name if have_png else None}
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     tables = "\n".join(md[md.index("## Matched compute (accountant: `vlm.flops.llm_flops_per_sample`)"):][:len(rows) + 6])

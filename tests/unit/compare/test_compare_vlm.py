@@ -49,6 +49,8 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
         assert r["steps"] == 2 and r["vqa"]["total"] == 12
         assert set(r["vqa"]["by_kind"]) == {x["group"] for x in scored}  # breakdown by kind|clutter|glyph_size
     assert [d["same_samples"] for d in report["data_checks"]] == [True]
+    assert [(f["stage"], f["arm"], f["max_length"]) for f in report["data_fit"]] == [("first", "a", 144), ("second", "a", 144)]
+    assert "second stage: the longest record of" in md and "no sample is cut" in md
     for a, r in runs.items():  # captions first, then the questions from that stage's export
         assert r["first_stage"]["steps"] == 1 and "+" in r["text_fingerprint"], a
         train_cfg = json.loads((Path(r["run_dir"]) / "train_config.json").read_text())
