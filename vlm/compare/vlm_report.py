@@ -278,7 +278,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
                    f"on {', '.join(f'`{d}`' for d in first['data'])} (the second starts from its export)")
     md = [f"# vlm.compare VLM study: {cfg['name']}", "",
           (f"Config `{cfg['source']}`; seeds {seeds}; budget per arm: {budget}; {time.strftime('%Y-%m-%d %H:%M')}; "
-           f"this call {wall_s / 60:.1f} min wall. Data: `{raw['eval']['vqa_json']}` (first "
+           f"this call {wall_s / 60:.1f} min wall, its {len(results)} runs {sum(r.get('wall_s') or 0 for r in results) / 60:.0f} "
+           f"min summed ({cfg['jobs']} at once). Data: `{raw['eval']['vqa_json']}` (first "
            f"{raw['eval'].get('limit')} records scored; greedy, exact match)."), "", tower_line(how["tower"]), ""]
     md += ["## Matched compute (accountant: `vlm.flops.llm_flops_per_sample`)", "",
            (f"LLM forward FLOPs per sample (2 x MACs of the matmuls, attention map excluded) of "

@@ -51,6 +51,7 @@ def test_vlm_smoke_study(tmp_path, monkeypatch):
     assert [d["same_samples"] for d in report["data_checks"]] == [True]
     assert [(f["stage"], f["arm"], f["max_length"]) for f in report["data_fit"]] == [("first", "a", 144), ("second", "a", 144)]
     assert "second stage: the longest record of" in md and "no sample is cut" in md
+    assert "min wall, its 6 runs " in md and " min summed (" in md  # a rerun that reuses runs still states their time
     for a, r in runs.items():  # captions first, then the questions from that stage's export
         assert r["first_stage"]["steps"] == 1 and "+" in r["text_fingerprint"], a
         train_cfg = json.loads((Path(r["run_dir"]) / "train_config.json").read_text())
