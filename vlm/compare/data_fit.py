@@ -1,10 +1,12 @@
-"""The VLM study's same-data guard: every training record of every stage fits a ``max_length`` row with
-every arm's image tokens. A record that does not is cut by the collator for the arms with many image
-tokens only (64 vs 16 per image), so the arms would learn from different text; the study refuses to
-start instead (one line, exit 2) and says which ``max_length`` fits."""
+"""The VLM study's same data: every training record of every stage fits a ``max_length`` row with every
+arm's image tokens (a record that does not is cut by the collator for the arms with many image tokens
+only, 64 vs 16 per image, so the arms would learn from different text: the study refuses to start
+instead, one line, exit 2, naming the ``max_length`` that fits), and the report's section that checks
+the arms' training samples hashed alike per seed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from vlm.compare.config import CompareError, rel, repo_path
@@ -17,8 +19,8 @@ def _stage_data(train: dict) -> tuple[int, list[Path]]:
 
     data = data_config(load_train_config(raw=train))
     root = data.get("root")
-    files = [repo_path(Path(root) / d["path"] if root else d["path"]) for d in data["datasets"]
-             if d.get("type") == "llava_json" and float(d.get("weight", 1.0)) > 0]
+    files = [Path(os.path.normpath(repo_path(Path(root) / d["path"] if root else d["path"])))
+             for d in data["datasets"] if d.get("type") == "llava_json" and float(d.get("weight", 1.0)) > 0]
     missing = next((f for f in files if not f.is_file()), None)
     if missing is not None:
         raise CompareError(f"data: training file not found: {missing}")
@@ -83,3 +85,23 @@ def check_study(cfg: dict, raw: dict) -> list[dict]:
     first = first_stage(cfg, raw, Path("."))
     stages = ([("first", first)] if first else []) + [("second" if first else "training", raw)]
     return check_rows_fit(stages, tokens, str(repo_path(raw["model"]["tokenizer"])))
+
+
+def same_data_section(results: list[dict], seeds: list[int], fit: list[dict] | None) -> tuple[list[dict], list[str]]:
+    """Per seed, whether every arm's text fingerprint (its samples' text tokens in training order) is one;
+    with ``fit`` (``check_study``'s rows) -> (checks, the report's "Same data, same steps" lines)."""
+    checks = []
+    for seed in seeds:
+        fps = {r.get("text_fingerprint") for r in results if r["seed"] == seed}
+        if fps:
+            checks.append({"seed": seed, "same_samples": len(fps) == 1 and None not in fps,
+                           "text_fingerprint": sorted(str(f) for f in fps)})
+    if not checks:
+        return checks, []
+    md = ["", "## Same data, same steps", ""]
+    md += [f"- seed {d['seed']}: the samples' text tokens in training order (image placeholders and padding "
+           f"left out) hash {'identically' if d['same_samples'] else '**DIFFERENTLY**'} across arms "
+           f"({', '.join(d['text_fingerprint'])})" for d in checks]
+    md += [f"- {f['stage']} stage: the longest record of `{f['file']}` is {f['tokens']} tokens with arm {f['arm']}'s "
+           f"image tokens; rows of {f['max_length']}: no sample is cut (`vlm.compare.data_fit`)" for f in fit or []]
+    return checks, md

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from vlm.compare import vlm_match
 from vlm.compare.config import rel, repo_path
+from vlm.compare.data_fit import same_data_section
 from vlm.modeling.config_base import deep_merge
 
 KINDS = ("identity", "position", "counting", "comparison", "reading", "text")
@@ -346,19 +347,8 @@ def write_vlm_report(cfg: dict, raw: dict, presets: dict, results: list[dict], o
         pairs_out = pairs
     else:
         pairs_out = {}
-    data_checks = []
-    for seed in seeds:
-        fps = {r.get("text_fingerprint") for r in results if r["seed"] == seed}
-        if fps:
-            data_checks.append({"seed": seed, "same_samples": len(fps) == 1 and None not in fps,
-                                "text_fingerprint": sorted(str(f) for f in fps)})
-    if data_checks:
-        md += ["", "## Same data, same steps", ""]
-        md += [f"- seed {d['seed']}: the samples' text tokens in training order (image placeholders and padding "
-               f"left out) hash {'identically' if d['same_samples'] else '**DIFFERENTLY**'} across arms "
-               f"({', '.join(d['text_fingerprint'])})" for d in data_checks]
-        md += [f"- {f['stage']} stage: the longest record of `{f['file']}` is {f['tokens']} tokens with arm {f['arm']}'s "
-               f"image tokens; rows of {f['max_length']}: no sample is cut (`vlm.compare.data_fit`)" for f in data_fit or []]
+    data_checks, lines = same_data_section(results, seeds, data_fit)
+    md += lines
     probe_results = probe_results or {}
     if probe_results:
         md += ["", "## Prefill time and what the chunker merged", "",

@@ -79,6 +79,13 @@ def test_missing_training_file_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(ROOT)
     gone = tmp_path / "nope.json"
     rc = main(["--config", "configs/compare/vlm_smoke.yaml", "--dry-run", "--out", str(tmp_path / "out"),
-               f"train.data.datasets=[{{name: x, type: llava_json, path: {gone}, weight: 1.0}}]"])
+               *(f"{stage}.data.datasets=[{{name: x, type: llava_json, path: {gone}, weight: 1.0}}]"
+                 for stage in ("train", "first_stage"))])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == [f"error: data: training file not found: {gone}"]
+    (tmp_path / "empty.json").write_text("[]")
+    rc = main(["--config", "configs/compare/vlm_smoke.yaml", "--dry-run", "--out", str(tmp_path / "out"),
+               "train.data.datasets=[{name: x, type: llava_json, path: ../nope/x.json, weight: 1.0}]",
+               f"first_stage.data.datasets=[{{name: x, type: llava_json, path: {tmp_path}/empty.json, weight: 1.0}}]"])
+    err = capsys.readouterr().err.strip().splitlines()  # relative to data.config's root, '..' resolved
+    assert rc == 2 and err == [f"error: data: training file not found: {ROOT / 'data' / 'nope' / 'x.json'}"]
