@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vlm.compare.config import REPO_ROOT, CompareError, load_compare, rel, repo_path, train_raw
-from vlm.compare.data_fit import check_study
+from vlm.compare.data_fit import check_study, fit_line
 from vlm.compare.jobs import make_jobs, out_dir, run_job, run_jobs
 from vlm.compare.presets import build_presets, seq_len_of
 from vlm.compare.report import write_report
@@ -71,8 +71,7 @@ def main(argv=None) -> int:
         raw = train_raw(cfg)
         fit = check_study(cfg, raw) if cfg["study"] == "vlm" else []  # before the presets: max_length enters the solve
         for row in fit:
-            print(f"[compare] {row['stage']} stage: longest record of {row['file']} is {row['tokens']} tokens with "
-                  f"arm {row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut", flush=True)
+            print(f"[compare] {fit_line(row)}", flush=True)
         presets = build_presets(cfg, raw, mode="write" if args.write_presets else "create")
     except (CompareError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

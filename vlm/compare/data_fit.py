@@ -29,7 +29,7 @@ def _stage_data(train: dict) -> tuple[int, list[Path]]:
 
 def longest_records(files: list[Path], tokenizer_dir: str, image_tokens: int) -> dict[str, dict]:
     """Per file: the record that is longest with ``image_tokens`` per image (chat template and BOS
-    included), as {"id", "tokens", "images"}. Records are tokenized with one token per image and the
+    included), as {"id", "tokens"}. Records are tokenized with one token per image and the
     rest added, as ``<im_start> <image>*P <im_end>`` grows by P - 1."""
     from transformers import AutoTokenizer
 
@@ -47,7 +47,7 @@ def longest_records(files: list[Path], tokenizer_dir: str, image_tokens: int) ->
             ids, _ = chat.encode_conversation(rec["conversations"], str(rec.get("id", i)), num_images=n_img)
             length = len(ids) + n_img * (image_tokens - 1)
             if best is None or length > best["tokens"]:
-                best = {"id": str(rec.get("id", i)), "tokens": length, "images": n_img}
+                best = {"id": str(rec.get("id", i)), "tokens": length}
         if best:
             out[str(path)] = best
     return out
@@ -63,14 +63,13 @@ def check_rows_fit(stages: list[tuple[str, dict]], image_tokens: dict[str, int],
     for stage, train in stages:
         max_length, files = _stage_data(train)
         for path, rec in longest_records(files, tokenizer_dir, most).items():
-            length = rec["tokens"]
-            rows.append({"stage": stage, "file": rel(Path(path)), "record": rec["id"], "tokens": length,
+            rows.append({"stage": stage, "file": rel(Path(path)), "record": rec["id"], "tokens": rec["tokens"],
                          "max_length": max_length, "arm": arm})
-            if length > max_length:
+            if rec["tokens"] > max_length:
                 raise CompareError(
-                    f"data: {stage} stage: record {rec['id']} of {rel(Path(path))} is {length} tokens with arm "
+                    f"data: {stage} stage: record {rec['id']} of {rel(Path(path))} is {rec['tokens']} tokens with arm "
                     f"{arm}'s {most} image tokens, over data.max_length {max_length}: the arms would train on "
-                    f"differently cut samples; set train.data.max_length to at least {length}")
+                    f"differently cut samples; set train.data.max_length to at least {rec['tokens']}")
     return rows
 
 
@@ -82,7 +81,7 @@ def check_study(cfg: dict, raw: dict) -> list[dict]:
 
     grid = vlm_match.patch_grid(cfg["vlm"]["vision"])
     tokens = {a["id"]: vlm_match.image_tokens(cfg, a, grid) for a in cfg["arms"]}
-    first = first_stage(cfg, raw, Path("."))
+    first = first_stage(cfg, raw)
     stages = ([("first", first)] if first else []) + [("second" if first else "training", raw)]
     return check_rows_fit(stages, tokens, str(repo_path(raw["model"]["tokenizer"])))
 
@@ -102,6 +101,11 @@ def same_data_section(results: list[dict], seeds: list[int], fit: list[dict] | N
     md += [f"- seed {d['seed']}: the samples' text tokens in training order (image placeholders and padding "
            f"left out) hash {'identically' if d['same_samples'] else '**DIFFERENTLY**'} across arms "
            f"({', '.join(d['text_fingerprint'])})" for d in checks]
-    md += [f"- {f['stage']} stage: the longest record of `{f['file']}` is {f['tokens']} tokens with arm {f['arm']}'s "
-           f"image tokens; rows of {f['max_length']}: no sample is cut (`vlm.compare.data_fit`)" for f in fit or []]
+    md += [f"- {fit_line(f)} (`vlm.compare.data_fit`)" for f in fit or []]
     return checks, md
+
+
+def fit_line(row: dict) -> str:
+    """One ``check_rows_fit`` row in words (the CLI's log line, the report's same-data section)."""
+    return (f"{row['stage']} stage: the longest record of `{row['file']}` is {row['tokens']} tokens with arm "
+            f"{row['arm']}'s image tokens; rows of {row['max_length']}: no sample is cut")

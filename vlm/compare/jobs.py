@@ -34,7 +34,7 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
             train.pop("base", None)
             if cfg["threads"]:
                 train["cpu_threads"] = int(cfg["threads"])  # the trainer's own knob (process-wide)
-            first = first_stage(cfg, train, out)
+            first = first_stage(cfg, train)
             if first is not None:
                 train["model"]["init_from"] = str(out / "runs" / first["name"] / "hf")
             key_eval = {k: v for k, v in cfg["eval"].items() if k not in REPORT_ONLY_EVAL}
@@ -47,7 +47,7 @@ def make_jobs(cfg: dict, raw: dict, presets: dict, out: Path, seeds: list[int]) 
     return jobs
 
 
-def first_stage(cfg: dict, train: dict, out: Path) -> dict | None:
+def first_stage(cfg: dict, train: dict) -> dict | None:
     """The training YAML of an arm's first stage (``first_stage`` over the arm's own; no evaluation, an export
     for the second stage), or None."""
     if not cfg.get("first_stage"):
